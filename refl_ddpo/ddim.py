@@ -1,0 +1,95 @@
+"""Stochastic DDIM step that also returns the log-probability of the step (DDPO).
+
+Maths of ddpo-pytorch `ddpo_pytorch/diffusers_patch/ddim_with_logprob.py` (Black et al. 2023, commit 1958463) and of
+diffusers' `DDIMScheduler.step` (Song et al. 2021, eq. 12), written against the public scheduler attributes of a
+current diffusers `DDIMScheduler`. Tested against the reference's own outputs (tests/fixtures/ddpo_ref.pt) and against
+`DDIMScheduler.step` with the same noise.
+
+With a_t = alphas_cumprod[t] and a_prev = alphas_cumprod[t_prev] (final_alpha_cumprod before t = 0):
+    x0      = (x_t - sqrt(1 - a_t) * eps) / sqrt(a_t)
+    s^2     = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+    std     = eta * s
+    mu      = sqrt(a_prev) * x0 + sqrt(1 - a_prev - std^2) * eps
+    x_prev  = mu + std * z                    (unless given)
+    logp    = mean over non-batch dims of log N(x_prev; mu, std^2)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+
+def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] or [] -> broadcastable to `like` ([B, C, H, W])."""
+    return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device)
+
+
+def ddim_step_with_logprob_and_x0(
+    scheduler,
+    model_output: torch.Tensor,
+    timestep: int | torch.Tensor,
+    sample: torch.Tensor,
+    eta: float = 1.0,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ddim_step_with_logprob` that also returns the predicted x0 (the shared loop uses it)."""
+    if scheduler.num_inference_steps is None:
+        raise ValueError("call scheduler.set_timesteps(...) before stepping")
+    if scheduler.config.prediction_type != "epsilon":
+        raise ValueError(f"ddim_step_with_logprob supports prediction_type='epsilon', not "
+                         f"'{scheduler.config.prediction_type}'")
+    timestep = torch.as_tensor(timestep, device="cpu", dtype=torch.long)  # [] or [B]
+    prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+
+    alphas_cumprod = scheduler.alphas_cumprod.cpu()  # float32, as in the scheduler (and the reference)
+    alpha_prod_t = alphas_cumprod[timestep]
+    alpha_prod_t_prev = torch.where(prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)],
+                                    torch.as_tensor(float(scheduler.final_alpha_cumprod)))
+    variance = (1 - alpha_prod_t_prev) / (1 - alpha_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+    std_dev_t = _per_sample(eta * variance**0.5, sample)  # float32, as the reference
+    alpha_prod_t = _per_sample(alpha_prod_t, sample)
+    alpha_prod_t_prev = _per_sample(alpha_prod_t_prev, sample)
+
+    pred_original_sample = (sample - (1 - alpha_prod_t) ** 0.5 * model_output) / alpha_prod_t**0.5
+    if scheduler.config.clip_sample:
+        r = scheduler.config.clip_sample_range
+        pred_original_sample = pred_original_sample.clamp(-r, r)
+    direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** 0.5 * model_output
+    prev_sample_mean = alpha_prod_t_prev**0.5 * pred_original_sample + direction
+
+    if prev_sample is None:
+        noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device,
+                             dtype=model_output.dtype)
+        prev_sample = prev_sample_mean + std_dev_t * noise
+
+    # Gaussian log-density of the (detached) next sample; gradient flows through the mean (and std).
+    log_prob = (
+        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2)
+        - torch.log(std_dev_t)
+        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+    )
+    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # [B]
+    return prev_sample.type(sample.dtype), log_prob, pred_original_sample
+
+
+def ddim_step_with_logprob(
+    scheduler,
+    model_output: torch.Tensor,
+    timestep: int | torch.Tensor,
+    sample: torch.Tensor,
+    eta: float = 1.0,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DDIM step x_t -> x_{t-1} of a `DDIMScheduler` (after `set_timesteps`) and its log-probability.
+
+    `timestep` is a scalar or one per sample; `prev_sample`, if given, is scored instead of sampled.
+    Returns (prev_sample [B, ...], log_prob [B]) with log_prob averaged over the non-batch dims.
+    """
+    prev, log_prob, _ = ddim_step_with_logprob_and_x0(scheduler, model_output, timestep, sample, eta, generator,
+                                                       prev_sample)
+    return prev, log_prob

@@ -1,0 +1,115 @@
+"""The one LoRA core: add adapters to the UNet (peft), list the trainable params, save/load in diffusers format.
+
+A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names, the LoRA config in its metadata) and
+loads into a stock pipeline with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)`.
+Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from refl_ddpo.errors import UserError
+
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+FULL_UNET_DIR = "unet"  # full fine-tune: the UNet is saved in diffusers format under this subfolder
+CONFIG_NAME = "config.json"  # the resolved training config, saved beside the weights
+
+_PEFT_INIT = {"gaussian": "gaussian", "default": True, "random": False}
+
+
+def add_lora(unet, rank: int, alpha: float, target_modules: list[str], init: str = "gaussian",
+             dropout: float = 0.0) -> list[torch.nn.Parameter]:
+    """Add a peft LoRA adapter to `unet` (base frozen), cast the LoRA params to fp32, return them as a list."""
+    from peft import LoraConfig
+
+    unet.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=_PEFT_INIT[init],
+                        target_modules=list(target_modules), lora_dropout=dropout)
+    try:
+        unet.add_adapter(config)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise UserError(f"--lora_target_modules {' '.join(target_modules)}: {str(e).splitlines()[0]}") from None
+    params = [p for n, p in unet.named_parameters() if "lora_" in n]
+    for p in params:  # trainable params in fp32 even when the frozen base is fp16/bf16
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return params
+
+
+def trainable_full_unet(unet) -> list[torch.nn.Parameter]:
+    """Full fine-tune: every UNet param trainable, in fp32."""
+    unet.to(torch.float32)
+    unet.requires_grad_(True)
+    return list(unet.parameters())
+
+
+def lora_state_dict(unet) -> dict[str, torch.Tensor]:
+    """The adapter's tensors with diffusers key names (what `save_lora_weights` expects)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+
+
+def _adapter_metadata(unet) -> dict:
+    cfg = unet.peft_config["default"].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+
+def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
+    """Write the LoRA (or, without adapters, the full UNet) and the resolved config to `out_dir`."""
+    from diffusers import StableDiffusionPipeline
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(unet, "peft_config", None):
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()}
+        StableDiffusionPipeline.save_lora_weights(out_dir, unet_lora_layers=state, safe_serialization=True,
+                                                  unet_lora_adapter_metadata=_adapter_metadata(unet))
+    else:
+        unet.save_pretrained(out_dir / FULL_UNET_DIR, safe_serialization=True)
+    if config is not None:
+        (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
+    """Restore a LoRA saved by `save_lora` into a UNet that already has the same adapter (resume)."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(lora_dir) / LORA_WEIGHTS_NAME))
+    state = {k.removeprefix("unet."): v for k, v in state.items()}
+    result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(state))
+    if getattr(result, "unexpected_keys", None):
+        raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
+
+
+def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> None:
+    """Inference: apply a saved LoRA (or full UNet) from `lora_dir` to `pipe`, with one-line errors."""
+    lora_dir = Path(lora_dir)
+    if (lora_dir / FULL_UNET_DIR / "config.json").is_file():
+        from diffusers import UNet2DConditionModel
+
+        unet = UNet2DConditionModel.from_pretrained(lora_dir / FULL_UNET_DIR, torch_dtype=pipe.unet.dtype)
+        pipe.unet = unet.to(pipe.device).requires_grad_(False).eval()
+        return
+    if not (lora_dir / LORA_WEIGHTS_NAME).is_file():
+        raise UserError(f"--lora_dir {lora_dir} has no {LORA_WEIGHTS_NAME} (train first, or point at a LoRA folder).")
+    try:
+        pipe.load_lora_weights(str(lora_dir), adapter_name="default")
+    except (RuntimeError, ValueError, KeyError) as e:
+        msg = " ".join(str(e).split())[:300]
+        raise UserError(f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}")
+    if scale != 1.0:
+        pipe.set_adapters(["default"], adapter_weights=[scale])
+
+
+def read_saved_config(lora_dir: str | Path) -> dict:
+    path = Path(lora_dir) / CONFIG_NAME
+    return json.loads(path.read_text()) if path.is_file() else {}

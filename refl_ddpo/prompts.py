@@ -1,0 +1,86 @@
+"""Prompt sources: `prompt_fn() -> (prompt, metadata)`, found by name; lists ship as data files in refl_ddpo/data/.
+
+A prompts file is one prompt per line (blank lines and lines starting with '#' skipped), or a JSON list of strings or
+of objects with a "prompt" or "text" field (ImageReward's ReFL data uses "text"); other fields of an object travel
+as the prompt's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from refl_ddpo.errors import UserError
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+PromptFn = Callable[[], tuple[str, dict]]
+
+
+def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
+    """Read a prompts file into [(prompt, metadata)], with one-line errors for missing, empty or malformed files."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--prompts_file {path}: no such file (one prompt per line, or a JSON list).")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" or text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--prompts_file {path}: invalid JSON ({e}).") from None
+        if not isinstance(items, list):
+            raise UserError(f"--prompts_file {path}: JSON must be a list of strings or of {{'text': ...}} objects.")
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                out.append((item, {}))
+            elif isinstance(item, dict) and isinstance(item.get("prompt", item.get("text")), str):
+                prompt = item.get("prompt", item.get("text"))
+                out.append((prompt, {k: v for k, v in item.items() if k not in ("prompt", "text")}))
+            else:
+                raise UserError(f"--prompts_file {path}: item {i} is neither a string nor an object with "
+                                "a 'prompt' or 'text' string.")
+    else:
+        lines = (line.strip() for line in text.splitlines())
+        out = [(line, {}) for line in lines if line and not line.startswith("#")]
+    out = [(p, m) for p, m in out if p.strip()]
+    if not out:
+        raise UserError(f"--prompts_file {path} holds no prompts; write one prompt per line.")
+    return out
+
+
+def from_file(path: str | Path, seed: int | None = None) -> PromptFn:
+    """Uniformly random prompts from a file (seeded)."""
+    prompts = load_prompts(path)
+    rng = random.Random(seed)
+
+    def prompt_fn() -> tuple[str, dict]:
+        prompt, metadata = rng.choice(prompts)
+        return prompt, dict(metadata)
+
+    return prompt_fn
+
+
+def _builtin(name: str) -> Callable[..., PromptFn]:
+    def make(seed: int | None = None) -> PromptFn:
+        return from_file(DATA_DIR / f"{name}.txt", seed)
+
+    make.__doc__ = f"Random prompts from refl_ddpo/data/{name}.txt."
+    return make
+
+
+PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
+    "imagenet_animals": _builtin("imagenet_animals"),  # ddpo-pytorch's source: ImageNet-1k animal classes
+    "simple_animals": _builtin("simple_animals"),  # ddpo-pytorch's short list of common animals
+    "refl_prompts": _builtin("refl_prompts"),  # default ReFL training prompts
+}
+
+
+def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
+    """A registered source by name (`imagenet_animals`, ...) or `from_file` for a path."""
+    if name_or_path in PROMPT_SOURCES:
+        return PROMPT_SOURCES[name_or_path](seed)
+    if Path(name_or_path).suffix or "/" in name_or_path or Path(name_or_path).exists():
+        return from_file(name_or_path, seed)
+    raise UserError(f"prompts '{name_or_path}': neither a file nor one of {', '.join(PROMPT_SOURCES)}.")

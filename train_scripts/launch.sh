@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Shared launcher for the train_*.sh scripts: env knobs -> accelerate launch -> python -m MODULE "$@".
+#
+#   GPUS=6,7              which GPUs to use (sets CUDA_VISIBLE_DEVICES before Python starts); unset: all visible
+#   NUM_PROCESSES=2       processes to launch; default: the number of GPUs in use, 1 without a GPU
+#   MAIN_PROCESS_PORT=..  rendezvous port; default: a free port picked now (no clash with other users' runs)
+#   PYTHON=python3        the interpreter; default: python
+#
+# Usage (from the train_*.sh scripts): source this file, then `launch MODULE [defaults...] -- "$@"`.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"  # relative defaults (checkpoint/...) mean the same from the repo root or from train_scripts/
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python}"
+
+die() { echo "error: $*" >&2; exit 2; }
+
+gpu_count() {  # GPUs the driver can see (0 without nvidia-smi or a GPU)
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+launch() {
+  local module="$1"; shift
+  local n_gpus; n_gpus="$(gpu_count)"
+  if [[ -n "${GPUS:-}" ]]; then
+    [[ "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "GPUS='$GPUS' is not a comma-separated list of GPU indices (e.g. GPUS=0,1)."
+    local idx
+    for idx in ${GPUS//,/ }; do
+      (( idx < n_gpus )) || die "GPUS=$GPUS names GPU $idx but this machine has $n_gpus GPU(s) (indices 0..$((n_gpus - 1))); unset GPUS to use what is there."
+    done
+    export CUDA_VISIBLE_DEVICES="$GPUS"
+    n_gpus="$(tr ',' '\n' <<<"$GPUS" | wc -l)"
+  elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "$n_gpus" -gt 0 ]]; then
+    n_gpus="$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | wc -l)"
+  fi
+  local nproc="${NUM_PROCESSES:-$(( n_gpus > 0 ? n_gpus : 1 ))}"
+  [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES='$nproc' must be a positive integer."
+  local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+  local args=(--num_processes "$nproc" --num_machines 1 --main_process_port "$port" --dynamo_backend no)
+  (( nproc > 1 )) && args+=(--multi_gpu)  # without a GPU accelerate runs these as CPU processes over gloo
+  echo "launching $module: $nproc process(es), GPUs: ${CUDA_VISIBLE_DEVICES:-none set}, port $port" >&2
+  exec "$PYTHON" -m accelerate.commands.launch "${args[@]}" -m "$module" "$@"
+}
