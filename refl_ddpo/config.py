@@ -147,7 +147,8 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         tp, optional = _unwrap_optional(hints[f.name])
-        kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": default}
         origin = typing.get_origin(tp)
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
