@@ -8,7 +8,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# one thread: tiny models gain nothing from more, and subprocess runs (2 ranks) would oversubscribe 2 cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,10 @@
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python}"
+[[ "$PYTHON" == */* ]] && PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"  # survives the cd
 cd "$REPO_ROOT"  # relative defaults (checkpoint/...) mean the same from the repo root or from train_scripts/
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PYTHON="${PYTHON:-python}"
 
 die() { echo "error: $*" >&2; exit 2; }
 
@@ -30,6 +31,7 @@ launch() {
   if [[ -n "${GPUS:-}" ]]; then
     [[ "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "GPUS='$GPUS' is not a comma-separated list of GPU indices (e.g. GPUS=0,1)."
     local idx
+    (( n_gpus > 0 )) || die "GPUS=$GPUS but this machine has no GPU that nvidia-smi can see; unset GPUS to run on the CPU."
     for idx in ${GPUS//,/ }; do
       (( idx < n_gpus )) || die "GPUS=$GPUS names GPU $idx but this machine has $n_gpus GPU(s) (indices 0..$((n_gpus - 1))); unset GPUS to use what is there."
     done
@@ -41,7 +43,9 @@ launch() {
   local nproc="${NUM_PROCESSES:-$(( n_gpus > 0 ? n_gpus : 1 ))}"
   [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES='$nproc' must be a positive integer."
   local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-  local args=(--num_processes "$nproc" --num_machines 1 --main_process_port "$port" --dynamo_backend no)
+  # --quiet: a failing script exits with its own one-line error, not under accelerate's CalledProcessError traceback
+  local args=(--quiet --num_processes "$nproc" --num_machines 1 --main_process_port "$port" --dynamo_backend no
+              --mixed_precision no)  # the trainer sets its own precision from --mixed_precision
   (( nproc > 1 )) && args+=(--multi_gpu)  # without a GPU accelerate runs these as CPU processes over gloo
   echo "launching $module: $nproc process(es), GPUs: ${CUDA_VISIBLE_DEVICES:-none set}, port $port" >&2
   exec "$PYTHON" -m accelerate.commands.launch "${args[@]}" -m "$module" "$@"

@@ -1,0 +1,290 @@
+"""ReFL trainer: the gradient path, the KL term, the shell script end to end, bit-exact resume, two processes in step,
+and one-line errors for bad input. CPU, tiny random models (refl_ddpo.tiny)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DDPMScheduler, StableDiffusionPipeline
+from safetensors.torch import load_file
+
+from refl_ddpo.config import parse_config
+from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.models import load_pipeline
+from refl_ddpo.prompts import DATA_DIR, load_prompts
+from refl_ddpo.rewards import build_reward
+from refl_ddpo.sampling import decode_latents, denoise, encode_prompts, initial_noise
+from refl_ddpo.trainers import refl
+from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward, guided_noise_pred, kl_to_base, refl_step
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "train_scripts" / "train_refl_lora.sh"
+RES, T, K_LO, K_HI = 32, 8, 4, 7
+PROMPTS = ["a photo of a cat", "a red bird"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread here and in the trainer subprocesses: these tiny models gain nothing from two, and with
+    two OpenMP threads on a loaded 2-core machine a sampling loop took 14 s of CPU instead of 0.15 s (spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cfg(tiny_models, **kw) -> ReFLConfig:
+    return ReFLConfig(pretrained_model=str(tiny_models / "stable-diffusion"), reward_model_dir=str(tiny_models),
+                      resolution=RES, num_inference_steps=T, k_lo=K_LO, k_hi=K_HI, device="cpu", **kw)
+
+
+def _refl_inputs(tiny_models, lora_init: str):
+    pipe = load_pipeline(str(tiny_models / "stable-diffusion"))
+    params = add_lora(pipe.unet, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init=lora_init)
+    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    prompt_embeds, _ = encode_prompts(pipe, PROMPTS, "cpu", with_negative=False)
+    noise = initial_noise(len(PROMPTS), pipe.unet, RES, pipe.vae_scale_factor, torch.Generator().manual_seed(0),
+                          "cpu", torch.float32)
+    return pipe, params, scheduler, prompt_embeds, noise
+
+
+# ---- units: the gradient path and the KL term ----
+
+
+def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(tiny_models):
+    # 'random' init: with peft's default zero B the gradient of every A would be exactly zero at step 0
+    pipe, params, scheduler, prompt_embeds, noise = _refl_inputs(tiny_models, "random")
+    reward = build_refl_reward(_cfg(tiny_models), torch.device("cpu"), torch.float32)
+    frozen = {f"unet.{n}": p for n, p in pipe.unet.named_parameters() if "lora_" not in n}
+    frozen.update({f"vae.{n}": p for n, p in pipe.vae.named_parameters()})
+    frozen.update({f"text_encoder.{n}": p for n, p in pipe.text_encoder.named_parameters()})
+    before = {n: p.detach().clone() for n, p in frozen.items()}
+    lora_before = [p.detach().clone() for p in params]
+
+    out = refl_step(pipe.unet, pipe.vae, scheduler, reward, prompt_embeds, None, PROMPTS, [{}, {}], noise, 6,
+                    num_inference_steps=T, margin=2.0, grad_scale=1.0, generator=torch.Generator().manual_seed(1))
+    assert out.images.shape == (2, 3, RES, RES) and out.rewards.shape == (2,)
+    assert out.rewards.requires_grad and out.images.requires_grad
+    torch.testing.assert_close(out.loss, torch.relu(2.0 - out.rewards).mean())
+    out.loss.backward()
+    missing = [i for i, p in enumerate(params) if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"{len(missing)} of {len(params)} LoRA tensors got no gradient from ImageReward"
+    assert all(p.grad is None for p in frozen.values())
+
+    torch.optim.AdamW(params, lr=1e-3).step()
+    assert all(not torch.equal(a, p) for a, p in zip(lora_before, params)), "every LoRA tensor moves"
+    changed = [n for n, p in frozen.items() if not torch.equal(before[n], p)]
+    assert not changed, f"base weights changed: {changed[:3]}"
+
+
+def test_kl_term_is_the_noise_prediction_mse_to_the_base_model(tiny_models):
+    pipe, params, scheduler, prompt_embeds, noise = _refl_inputs(tiny_models, "random")
+    reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
+    k = 5
+    out = refl_step(pipe.unet, pipe.vae, scheduler, reward, prompt_embeds, None, PROMPTS, [{}, {}], noise, k,
+                    num_inference_steps=T, generator=torch.Generator().manual_seed(1), keep_trajectory=True)
+    kl = kl_to_base(pipe.unet, scheduler, out.denoised, k, prompt_embeds, None, 1.0)
+    assert all(p.requires_grad for p in params), "enable_adapters must make the LoRA trainable again"
+    x_t, t = out.denoised.all_latents[k], out.denoised.timesteps[k]
+    with torch.no_grad():
+        eps_lora = guided_noise_pred(pipe.unet, scheduler, x_t, t, prompt_embeds, None, 1.0)
+        pipe.unet.disable_adapters()
+        eps_base = guided_noise_pred(pipe.unet, scheduler, x_t, t, prompt_embeds, None, 1.0)
+        pipe.unet.enable_adapters()
+    expected = (eps_lora - eps_base).square().mean()
+    assert expected > 0
+    torch.testing.assert_close(kl, expected, rtol=1e-3, atol=1e-7)
+    kl.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+def test_later_flags_override_earlier_ones_and_defaults():
+    cfg = parse_config(ReFLConfig, ["--grad_scale", "0.01", "--learning_rate", "1e-4", "--grad_scale", "0.5"])
+    assert cfg.grad_scale == 0.5 and cfg.learning_rate == 1e-4
+    assert (cfg.k_lo, cfg.k_hi, cfg.num_inference_steps, cfg.margin) == (30, 39, 40, 2.0)
+    assert cfg.output_dir == "checkpoint/refl_lora" and cfg.guidance_scale == 1.0 and cfg.scheduler == "ddpm"
+    assert len(load_prompts(DATA_DIR / "refl_prompts.txt")) >= 30
+    train = {p for p, _ in load_prompts(DATA_DIR / "refl_prompts.txt")}
+    held_out = [p for p, _ in load_prompts(DATA_DIR / "eval_prompts.txt")]
+    assert len(held_out) >= 8 and not train & set(held_out)
+
+
+# ---- end to end through the shell script ----
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
+    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", os.path.relpath(SCRIPT, cwd), *args], check=False, cwd=cwd, env=_env(**env),
+                          capture_output=True, text=True, timeout=240)
+
+
+def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
+    return ["--pretrained_model", str(tiny_models / "stable-diffusion"), "--reward_model_dir", str(tiny_models),
+            "--output_dir", str(out), "--resolution", str(RES), "--num_inference_steps", str(T),
+            "--k_lo", str(K_LO), "--k_hi", str(K_HI), "--device", "cpu", "--train_batch_size", "2",
+            "--learning_rate", "3e-2", "--max_train_steps", str(steps), "--image_log_steps", "10"]
+
+
+E2E_STEPS, RESUME_AT = 30, 15
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_models, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("refl") / "run"
+    r = _script(_train_flags(tiny_models, out, E2E_STEPS) + ["--checkpointing_steps", str(RESUME_AT)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@torch.no_grad()
+def _held_out_reward(pipe, reward) -> float:
+    """Mean ImageReward of fixed-seed images (2 per prompt) on the held-out prompts, with the training sampler."""
+    prompts = [p for p, _ in load_prompts(DATA_DIR / "eval_prompts.txt")]
+    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    prompt_embeds, _ = encode_prompts(pipe, prompts, "cpu", with_negative=False)
+    scores = []
+    for seed in (0, 1):
+        generator = torch.Generator().manual_seed(seed)
+        noise = initial_noise(len(prompts), pipe.unet, RES, pipe.vae_scale_factor, generator, "cpu", torch.float32)
+        latents = denoise(pipe.unet, scheduler, prompt_embeds, None, noise, T, 1.0, generator=generator).latents
+        scores.append(reward(decode_latents(pipe.vae, latents), prompts, [{}] * len(prompts))[0])
+    return torch.cat(scores).mean().item()
+
+
+def test_script_trains_lora_that_raises_held_out_reward_and_loads_in_stock_pipeline(trained, tiny_models):
+    assert (trained / LORA_WEIGHTS_NAME).is_file()
+    saved = json.loads((trained / CONFIG_NAME).read_text())
+    assert saved["learning_rate"] == 3e-2 and saved["grad_scale"] == 0.01 and saved["max_train_steps"] == E2E_STEPS
+    assert {p.name for p in trained.glob("checkpoint-*")} == {f"checkpoint-{RESUME_AT}", f"checkpoint-{E2E_STEPS}"}
+    assert list((trained / "logs").rglob("events.out.tfevents.*")), "tensorboard scalars and image grids"
+
+    reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_models / "stable-diffusion")
+    pipe.set_progress_bar_config(disable=True)
+    before = _held_out_reward(pipe, reward)
+    pipe.load_lora_weights(str(trained))  # a stock pipeline, stock loader
+    after = _held_out_reward(pipe, reward)
+    print(f"held-out ImageReward before {before:.4f} after {after:.4f} ({E2E_STEPS} steps)")
+    assert after > before + 0.05, (before, after)
+
+
+def test_resume_gives_bit_identical_lora(trained, tiny_models, tmp_path):
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(trained / f"checkpoint-{RESUME_AT}", out / f"checkpoint-{RESUME_AT}")
+    r = _script(_train_flags(tiny_models, out, E2E_STEPS) + ["--checkpointing_steps", str(RESUME_AT),
+                                                             "--resume_from_checkpoint", "latest"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {out / f'checkpoint-{RESUME_AT}'} at step {RESUME_AT}" in r.stdout
+    resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(trained / LORA_WEIGHTS_NAME)
+    midway = load_file(trained / f"checkpoint-{RESUME_AT}" / LORA_WEIGHTS_NAME)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert any(not torch.equal(midway[k], uninterrupted[k]) for k in midway), "the resumed half did train"
+
+
+def test_two_processes_hold_identical_lora_after_every_step(tiny_models, tmp_path):
+    from PIL import Image
+
+    # an image-caption folder, so that the pretraining loss (a second UNet forward with grad) runs under DDP too
+    data = tmp_path / "captions"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(3):
+        pixels = torch.randint(0, 256, (40, 48, 3), generator=gen, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(data / f"{i}.png")
+        lines.append(json.dumps({"file_name": f"{i}.png", "text": f"a photo of a cat number {i}"}))
+    (data / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    out, steps = tmp_path / "ddp", 3
+    flags = _train_flags(tiny_models, out, steps) + [
+        "--gradient_accumulation_steps", "2", "--debug_lora_checksums", "--kl_weight", "1.0",
+        "--pretrain_loss_weight", "0.5", "--pretrain_data_dir", str(data), "--lora_init", "random",
+        "--gradient_checkpointing", "--vae_gradient_checkpointing", "--reward_gradient_checkpointing",
+        "--checkpointing_steps", str(steps), "--report_to", "none"]
+    r = _script(flags, NUM_PROCESSES="2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [[json.loads(line) for line in (out / "debug" / f"lora_checksums_rank{i}.jsonl").read_text().split("\n")
+              if line] for i in (0, 1)]
+    assert [x["step"] for x in ranks[0]] == [x["step"] for x in ranks[1]] == list(range(1, steps + 1))
+    assert [x["sha256"] for x in ranks[0]] == [x["sha256"] for x in ranks[1]], "ranks diverged: gradients not synced"
+    assert len({x["sha256"] for x in ranks[0]}) == steps, "the weights change every step"
+    # the ranks saw different prompts and noise, so only the all-reduce can have kept them equal
+    assert [x["refl_loss"] for x in ranks[0]] != [x["refl_loss"] for x in ranks[1]]
+    state = load_file(out / f"checkpoint-{steps}" / "train_state.safetensors")
+    assert {"k_generator", "generator/rank0", "generator/rank1"} <= state.keys()
+    assert not torch.equal(state["generator/rank0"], state["generator/rank1"])
+
+
+def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
+    def run(out: Path, *extra: str) -> None:
+        args = _train_flags(tiny_models, out, 2) + ["--no-use_lora", "--use_ema", "--ema_decay", "0.5",
+                                                    "--learning_rate", "1e-3", "--checkpointing_steps", "1",
+                                                    "--report_to", "none", *extra]
+        r = subprocess.run([sys.executable, "-m", "refl_ddpo.trainers.refl", *args], check=False, cwd=REPO,
+                           env=_env(), capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
+    run(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "b" / "checkpoint-1"))
+    a, b = (load_file(next((tmp_path / d / "unet").glob("*.safetensors"))) for d in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    base = load_file(next((tiny_models / "stable-diffusion" / "unet").glob("*.safetensors")))
+    assert any(not torch.equal(a[k], base[k]) for k in a), "the EMA weights moved"
+    assert "ema/0" in load_file(tmp_path / "a" / "checkpoint-1" / "train_state.safetensors")
+
+
+# ---- bad input: one line, exit != 0, no weights written ----
+
+
+def _bad_inputs(tiny_models, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n# only a comment\n")
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    return {
+        "pretrained_model": ["--pretrained_model", str(tmp_path / "no-such-model")],
+        "reward_model_dir": ["--reward_model_dir", str(tmp_path)],
+        "prompts_file": ["--prompts_file", str(empty)],
+        "k_lo": ["--k_lo", "6", "--k_hi", "5"],
+        "k_hi": ["--k_hi", str(T)],
+        "reward": ["--reward", "jpeg_compressibility"],
+        "output_dir": ["--output_dir", str(not_a_dir / "out")],
+    }
+
+
+@pytest.mark.parametrize("field", ["pretrained_model", "reward_model_dir", "prompts_file", "k_lo", "k_hi", "reward",
+                                   "output_dir"])
+def test_bad_input_is_one_line_error_naming_the_field(field, tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["--pretrained_model", str(tiny_models / "stable-diffusion"), "--reward_model_dir", str(tiny_models),
+            "--output_dir", str(out), "--resolution", str(RES), "--num_inference_steps", str(T),
+            "--k_lo", str(K_LO), "--k_hi", str(K_HI), "--device", "cpu", "--max_train_steps", "1"]
+    with pytest.raises(SystemExit) as exc:
+        refl.main(args + _bad_inputs(tiny_models, tmp_path)[field])
+    assert exc.value.code != 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"--{field}" in lines[0], lines
+    assert not out.exists() or not any(out.iterdir()), "nothing written for a bad input"
+
+
+def test_script_reports_bad_input_in_one_line(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    r = _script(_train_flags(tiny_models, out, 1) + ["--k_hi", str(T)], cwd=SCRIPT.parent)  # from train_scripts/
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode != 0 and len(errors) == 1 and "--k_hi" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    r = _script(_train_flags(tiny_models, out, 1), GPUS="99")
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "GPUS" in r.stderr
+    assert not out.exists()
