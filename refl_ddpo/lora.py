@@ -8,6 +8,7 @@ Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -101,13 +102,42 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         return
     if not (lora_dir / LORA_WEIGHTS_NAME).is_file():
         raise UserError(f"--lora_dir {lora_dir} has no {LORA_WEIGHTS_NAME} (train first, or point at a LoRA folder).")
+    from diffusers.utils import logging as diffusers_logging
+
+    # diffusers logs a size mismatch as a multi-line error and keys it cannot place only as a warning; quiet it and
+    # raise one line ourselves instead.
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
     try:
         pipe.load_lora_weights(str(lora_dir), adapter_name="default")
     except (RuntimeError, ValueError, KeyError) as e:
         msg = " ".join(str(e).split())[:300]
         raise UserError(f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}")
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    _check_all_unet_keys_loaded(pipe.unet, lora_dir)
     if scale != 1.0:
         pipe.set_adapters(["default"], adapter_weights=[scale])
+
+
+_FILE_LORA_MATRIX = re.compile(r"^unet\..*\.(lora\.(down|up)|lora_[AB])\.weight$")  # diffusers / peft key names
+_UNET_LORA_MATRIX = re.compile(r"\.lora_[AB]\.default\.weight$")
+
+
+def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
+    """A LoRA for another UNet layout (e.g. more blocks) loads partially with only a warning: refuse it.
+
+    Counts the UNet LoRA matrices in the file (keys `unet.*`, as `save_lora` and diffusers write them) against the
+    LoRA matrices the adapter now has; files in other key formats (kohya ...) are left to diffusers' conversion.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(lora_dir / LORA_WEIGHTS_NAME), "pt") as f:
+        in_file = sum(1 for k in f.keys() if _FILE_LORA_MATRIX.match(k))  # noqa: SIM118 (safe_open is no dict)
+    loaded = sum(1 for n, _ in unet.named_parameters() if _UNET_LORA_MATRIX.search(n))
+    if in_file and loaded != in_file:
+        raise UserError(f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): only "
+                        f"{loaded} of its {in_file} UNet LoRA matrices have a matching layer.")
 
 
 def read_saved_config(lora_dir: str | Path) -> dict:
