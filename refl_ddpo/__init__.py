@@ -1,6 +1,13 @@
 """refl_ddpo: fine-tune Stable Diffusion on a reward with ReFL or DDPO, LoRA on one shared core."""
 
-from refl_ddpo.ddim import ddim_step_with_logprob
-
 __all__ = ["ddim_step_with_logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy, so that `python -m refl_ddpo.<script> --bad-flag` fails fast without importing diffusers.
+    if name == "ddim_step_with_logprob":
+        from refl_ddpo.ddim import ddim_step_with_logprob
+
+        return ddim_step_with_logprob
+    raise AttributeError(f"module 'refl_ddpo' has no attribute {name!r}")

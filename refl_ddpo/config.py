@@ -30,9 +30,23 @@ def field_(default: Any, help: str, **kw) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+class ConfigBase:
+    """What every config dataclass can do: dict/JSON out, a readable print."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def pretty(self) -> str:
+        width = max(len(f.name) for f in fields(self))
+        return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
+
+
 @dataclass
-class CommonConfig:
-    """Fields shared by every trainer and the inference scripts."""
+class CommonConfig(ConfigBase):
+    """Fields shared by both trainers."""
 
     # ---- models ----
     pretrained_model: str = field_(
@@ -104,16 +118,6 @@ class CommonConfig:
     @property
     def resolved_lora_alpha(self) -> float:
         return float(self.lora_rank if self.lora_alpha is None else self.lora_alpha)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    def pretty(self) -> str:
-        width = max(len(f.name) for f in fields(self))
-        return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
 
 
 # --------------------------------------------------------------------------------------------------------------

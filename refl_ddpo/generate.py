@@ -17,20 +17,19 @@ overwritten, so a failed run never leaves scores that do not belong to its image
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from refl_ddpo.config import CHECKPOINT_DIR, REPO_ROOT, field_
+from refl_ddpo.config import CHECKPOINT_DIR, REPO_ROOT, ConfigBase, field_
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import (
     CONFIG_NAME,
@@ -68,7 +67,7 @@ GENERATION_SETTINGS = ("pretrained_model", "num_inference_steps", "guidance_scal
 
 
 @dataclass
-class InferenceConfig:
+class InferenceConfig(ConfigBase):
     """Generate images for a prompts file with the base Stable Diffusion model and score them with ImageReward."""
 
     # ---- models ----
@@ -120,13 +119,6 @@ class InferenceConfig:
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def pretty(self) -> str:
-        width = max(len(f.name) for f in fields(self))
-        return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from refl_ddpo.ddim import ddim_step_with_logprob_and_x0
 @dataclass
 class DenoiseOutput:
     latents: torch.Tensor  # (B, C, h, w) after the last step that ran
-    pred_original_sample: torch.Tensor  # (B, C, h, w) x0 predicted at the last step that ran
+    pred_original_sample: torch.Tensor | None  # (B, C, h, w) x0 predicted at the last step (None: PNDM/DPM)
     timesteps: torch.Tensor  # (S,) the timesteps that ran
     all_latents: list[torch.Tensor] = field(default_factory=list)  # S + 1 x (B, C, h, w), with keep_trajectory
     log_probs: list[torch.Tensor] = field(default_factory=list)  # S x (B,), with with_logprob
@@ -107,7 +107,8 @@ def denoise(
                 out.log_probs.append(log_prob)
             else:
                 step = scheduler.step(noise_pred, t, latents, **step_kwargs)
-                latents, x0 = step.prev_sample, step.pred_original_sample
+                # PNDM / DPM-Solver steps give no x0: None then (inference needs only the latents)
+                latents, x0 = step.prev_sample, getattr(step, "pred_original_sample", None)
         if keep_trajectory:
             out.all_latents.append(latents)
     out.latents, out.pred_original_sample = latents, x0
