@@ -120,6 +120,8 @@ class ImageRewardModel(nn.Module):
     """ImageReward's `ImageReward` module (ImageReward.py): BLIP ViT + BLIP text encoder + MLP head, frozen.
 
     Submodule names follow the official state dict: `blip.visual_encoder`, `blip.text_encoder`, `mlp.layers`.
+    The ViT skips timm's init (the checkpoint overwrites every weight): use `load`, or call
+    `blip.visual_encoder.init_weights()` before using a model built without a checkpoint.
     """
 
     def __init__(self, med_config: dict, tokenizer: BertTokenizer):
