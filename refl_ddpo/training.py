@@ -26,7 +26,7 @@ def check_output_dir(path: str) -> Path:
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{os.getpid()}"  # one per process: ranks check at the same time
         probe.write_text("")
         probe.unlink()
     except OSError as e:
