@@ -174,14 +174,11 @@ def _load_config_file(path: str) -> dict:
     if not p.is_file():
         raise UserError(f"--config {path}: no such file.")
     text = p.read_text()
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # yaml/json parse errors carry a line number
+    try:
+        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:  # parse errors carry a line number
         raise UserError(f"--config {path} is not valid {p.suffix.lstrip('.') or 'json'}: {e}".splitlines()[0])
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must hold a mapping of field: value.")

@@ -49,7 +49,9 @@ def load_pipeline(name: str, dtype: torch.dtype = torch.float32, device: torch.d
         )
     except (OSError, ValueError) as e:  # hub id unreachable / unknown, or a broken folder
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"--pretrained_model {name} could not be loaded ({first}); {WHERE_WEIGHTS_GO}.") from None
+        hint = WHERE_WEIGHTS_GO if looks_local(name) else (
+            "without network access, download it into checkpoint/ first (see checkpoint/README.md)")
+        raise UserError(f"--pretrained_model {name} could not be loaded ({first}); {hint}.") from None
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.unet, pipe.vae, pipe.text_encoder):
         module.requires_grad_(False)

@@ -1,4 +1,4 @@
-"""Prompt sources: `prompt_fn() -> (prompt, metadata)`, found by name; lists ship as data files in refl_ddpo/data/.
+"""Prompt sources: `prompt_fn() -> (prompt, metadata)`, found by name; the lists ship as text files (DATA_DIR).
 
 A prompts file is one prompt per line (blank lines and lines starting with '#' skipped), or a JSON list of strings or
 of objects with a "prompt" or "text" field (ImageReward's ReFL data uses "text"); other fields of an object travel
@@ -66,7 +66,7 @@ def _builtin(name: str) -> Callable[..., PromptFn]:
     def make(seed: int | None = None) -> PromptFn:
         return from_file(DATA_DIR / f"{name}.txt", seed)
 
-    make.__doc__ = f"Random prompts from refl_ddpo/data/{name}.txt."
+    make.__doc__ = f"Random prompts from the shipped list {name}.txt (DATA_DIR)."
     return make
 
 

@@ -1,5 +1,6 @@
 """The shared core: the denoising loop vs the stock pipeline, the LoRA core, model loading errors."""
 
+import os
 import subprocess
 import sys
 
@@ -81,7 +82,7 @@ def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
     stock = StableDiffusionPipeline.from_pretrained(tiny_sd)
     stock.set_progress_bar_config(disable=True)
-    kw = dict(num_inference_steps=4, height=RES, width=RES, output_type="pt")
+    kw = {"num_inference_steps": 4, "height": RES, "width": RES, "output_type": "pt"}
     before = stock("a cat", generator=torch.Generator().manual_seed(0), **kw).images
     stock.load_lora_weights(str(tmp_path / "lora"))
     after = stock("a cat", generator=torch.Generator().manual_seed(0), **kw).images
@@ -102,7 +103,8 @@ def test_missing_model_is_one_line_error(tmp_path):
 
 
 def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "refl_ddpo.tiny", str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "refl_ddpo.tiny", str(tmp_path)], capture_output=True, text=True,
+                       check=False)
     assert r.returncode == 0, r.stderr
     for name in ["stable-diffusion/model_index.json", "ImageReward.pt", "med_config.json",
                  "bert-base-uncased/vocab.txt"]:
@@ -111,3 +113,14 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
     pipe.set_progress_bar_config(disable=True)
     img = pipe("a dog", num_inference_steps=2, height=RES, width=RES, output_type="pt").images
     assert img.shape == (1, 3, RES, RES) and torch.isfinite(img).all()
+
+
+def test_unreachable_hub_id_is_one_line_error_exit_2(tmp_path):
+    """No network here: a hub id ends in one `error:` line and exit code 2, not a traceback."""
+    code = "from refl_ddpo.errors import cli_main; from refl_ddpo.models import load_pipeline; " \
+           "cli_main(load_pipeline)('CompVis/stable-diffusion-v1-4')"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "checkpoint/README.md" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr

@@ -54,7 +54,7 @@ def test_log_prob_closed_form():
     g = torch.Generator().manual_seed(0)
     eps, x = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
     t = s.timesteps[10]
-    prev, lp = ddim_step_with_logprob(s, eps, t, x, eta=1.0, generator=torch.Generator().manual_seed(5))
+    _, lp = ddim_step_with_logprob(s, eps, t, x, eta=1.0, generator=torch.Generator().manual_seed(5))
     z = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(5))
     a_t = s.alphas_cumprod[t]
     a_prev = s.alphas_cumprod[t - 1000 // 50]
