@@ -42,11 +42,18 @@ launch() {
   fi
   local nproc="${NUM_PROCESSES:-$(( n_gpus > 0 ? n_gpus : 1 ))}"
   [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "NUM_PROCESSES='$nproc' must be a positive integer."
+  if (( nproc == 1 )); then  # one process needs no launcher (and keeps the script's own exit code)
+    echo "running $module: 1 process, GPUs: ${CUDA_VISIBLE_DEVICES:-none set}" >&2
+    exec "$PYTHON" -m "$module" "$@"
+  fi
+  # Check flags and files once, in one process, so that a mistake is one line rather than one per rank under
+  # torch's ChildFailedError report; the trainers stop after their pre-load checks when REFL_DDPO_PREFLIGHT is set.
+  WORLD_SIZE="$nproc" REFL_DDPO_PREFLIGHT=1 "$PYTHON" -m "$module" "$@" || exit $?
   local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
   # --quiet: a failing script exits with its own one-line error, not under accelerate's CalledProcessError traceback
-  local args=(--quiet --num_processes "$nproc" --num_machines 1 --main_process_port "$port" --dynamo_backend no
-              --mixed_precision no)  # the trainer sets its own precision from --mixed_precision
-  (( nproc > 1 )) && args+=(--multi_gpu)  # without a GPU accelerate runs these as CPU processes over gloo
+  # --mixed_precision no: the trainer sets its own from its flag; --multi_gpu without a GPU runs CPU processes (gloo)
+  local args=(--quiet --multi_gpu --num_processes "$nproc" --num_machines 1 --main_process_port "$port"
+              --dynamo_backend no --mixed_precision no)
   echo "launching $module: $nproc process(es), GPUs: ${CUDA_VISIBLE_DEVICES:-none set}, port $port" >&2
   exec "$PYTHON" -m accelerate.commands.launch "${args[@]}" -m "$module" "$@"
 }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -823,6 +824,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     check_pretrained_model(cfg.pretrained_model)
     check_output_dir(cfg.output_dir)
     resume = resolve_resume(cfg)
+    if os.environ.get("REFL_DDPO_PREFLIGHT"):  # launch.sh: checks only, before starting several processes
+        return Path(cfg.output_dir)
     accelerator = make_accelerator(cfg, cfg.train_gradient_accumulation_steps * num_train_timesteps(cfg))
     main = accelerator.is_main_process
     if main:

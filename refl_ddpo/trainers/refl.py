@@ -436,6 +436,8 @@ def train(cfg: ReFLConfig) -> None:
                         f" process(es); resume it with NUM_PROCESSES={_checkpoint_world_size(resume_path)} "
                         "(each process continues its own random stream).")
     check_output_dir(cfg.output_dir)
+    if os.environ.get("REFL_DDPO_PREFLIGHT"):  # launch.sh: checks only, before starting several processes
+        return
     _train(cfg, prompts, pretrain_data, resume_path, world_size)
 
 
