@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch
 
-from refl_ddpo.config import field_, parse_config
+from refl_ddpo.config import ConfigBase, field_, parse_config
 from refl_ddpo.errors import UserError, cli_main
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -76,7 +76,7 @@ GIB = 2**30
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(ConfigBase):
     """What to benchmark and how; every speed option is a flag so that a sweep can switch it on and off."""
 
     # ---- what ----
@@ -174,17 +174,8 @@ class BenchConfig:
         unknown = [c for c in cases if c not in CASES]
         if unknown or not cases:
             raise UserError(f"--only {self.only}: choose cases from {', '.join(CASES)} (comma-separated).")
-        for name in (
-            "repeats",
-            "refl_steps",
-            "ddpo_sample_batch_size",
-            "ddpo_train_batch_size",
-            "ddpo_steps",
-            "inference_steps",
-            "lora_rank",
-        ):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        self.check_positive("repeats", "refl_steps", "ddpo_sample_batch_size", "ddpo_train_batch_size", "ddpo_steps",
+                            "inference_steps", "lora_rank")
         if self.warmup < 0:
             raise UserError(f"--warmup must be >= 0 (got {self.warmup}).")
         if self.compile and self.warmup < 1:
@@ -416,18 +407,11 @@ class Bench:
                     module.compile()
 
     def imagereward(self, model):
-        """The ReFL trainer's reward function (refl_ddpo.trainers.refl.build_refl_reward) around `model`."""
+        """The ReFL trainer's reward function around `model` (as `refl_ddpo.rewards.build_reward` makes it)."""
         from refl_ddpo.rewards import Reward
-        from refl_ddpo.rewards.imagereward import preprocess
+        from refl_ddpo.rewards.imagereward import reward_from_model
 
-        def reward_fn(
-            images: torch.Tensor, prompts: list[str], metadata: list[dict]
-        ) -> tuple[torch.Tensor, dict]:
-            input_ids, attention_mask = model.tokenize(prompts)  # (B, 35) each
-            pixel_values = preprocess(images, size=model.image_size)  # (B, 3, 224, 224)
-            return model(input_ids, attention_mask, pixel_values), {}
-
-        return Reward("imagereward", reward_fn, differentiable=True)
+        return Reward("imagereward", reward_from_model(model), differentiable=True)
 
     def prompts(self, batch: int) -> tuple[list[str], list[dict]]:
         """The next `batch` prompts (and metadata) of the run's prompt source."""

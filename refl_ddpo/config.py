@@ -43,6 +43,12 @@ class ConfigBase:
         width = max(len(f.name) for f in fields(self))
         return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
 
+    def check_positive(self, *names: str) -> None:
+        """A one-line UserError naming the first of these fields that is not > 0."""
+        for name in names:
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+
 
 @dataclass
 class CommonConfig(ConfigBase):
@@ -102,13 +108,8 @@ class CommonConfig(ConfigBase):
 
     def check(self) -> None:
         """Cross-field checks common to all scripts; subclasses extend and call super().check()."""
-        positive = ["resolution", "num_inference_steps", "train_batch_size", "gradient_accumulation_steps",
-                    "lora_rank"]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning_rate must be > 0 (got {self.learning_rate}).")
+        self.check_positive("resolution", "num_inference_steps", "train_batch_size", "gradient_accumulation_steps",
+                            "lora_rank", "learning_rate")
         if self.checkpointing_steps < 0:
             raise UserError("--checkpointing_steps must be >= 0 (0 turns periodic checkpoints off).")
         if not self.lora_target_modules:

@@ -104,9 +104,7 @@ class InferenceConfig(ConfigBase):
 
     def check(self) -> None:
         """Resolve the automatic defaults (device, dtype) and check the fields, before any model is loaded."""
-        for name in ("num_images_per_prompt", "num_inference_steps", "batch_size", "resolution"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        self.check_positive("num_images_per_prompt", "num_inference_steps", "batch_size", "resolution")
         if self.grid_max_images < 0:
             raise UserError(f"--grid_max_images must be >= 0 (got {self.grid_max_images}); 0 writes no grid.")
         if self.guidance_scale < 0:

@@ -55,6 +55,23 @@ def _step_kwargs(scheduler, eta: float, generator) -> dict:
     return kw
 
 
+def guided_noise_pred(unet, latents: torch.Tensor, timesteps: torch.Tensor, prompt_embeds: torch.Tensor,
+                      negative_prompt_embeds: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
+    """The UNet's noise prediction (B, C, h, w), with classifier-free guidance in one UNet call on the doubled
+    batch [uncond, text] (as the pipeline) when guidance_scale > 1 and `negative_prompt_embeds` is given.
+
+    `latents` are already `scheduler.scale_model_input`-ed; `timesteps` is a scalar or one per sample (B,).
+    """
+    if guidance_scale > 1.0 and negative_prompt_embeds is not None:
+        if timesteps.ndim == 1:
+            timesteps = torch.cat([timesteps, timesteps])
+        eps = unet(torch.cat([latents, latents]), timesteps,
+                   encoder_hidden_states=torch.cat([negative_prompt_embeds, prompt_embeds]), return_dict=False)[0]
+        uncond, text = eps.chunk(2)
+        return uncond + guidance_scale * (text - uncond)
+    return unet(latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
+
+
 def denoise(
     unet,
     scheduler,
@@ -84,8 +101,6 @@ def denoise(
     last = len(timesteps) - 1 if stop_at is None else stop_at
     if not 0 <= last < len(timesteps):
         raise ValueError(f"stop_at={stop_at} outside 0..{len(timesteps) - 1}")
-    do_cfg = guidance_scale > 1.0 and negative_prompt_embeds is not None
-    encoder_states = torch.cat([negative_prompt_embeds, prompt_embeds]) if do_cfg else prompt_embeds
     step_kwargs = _step_kwargs(scheduler, eta, generator)
     grad_enabled = torch.is_grad_enabled()
 
@@ -95,12 +110,8 @@ def denoise(
         out.all_latents.append(latents)
     for i, t in enumerate(tqdm(timesteps[: last + 1], disable=not progress, desc="denoise", leave=False)):
         with torch.set_grad_enabled(grad_enabled and i in grad_steps):
-            model_input = torch.cat([latents] * 2) if do_cfg else latents
-            model_input = scheduler.scale_model_input(model_input, t)
-            noise_pred = unet(model_input, t, encoder_hidden_states=encoder_states, return_dict=False)[0]
-            if do_cfg:
-                uncond, text = noise_pred.chunk(2)
-                noise_pred = uncond + guidance_scale * (text - uncond)
+            noise_pred = guided_noise_pred(unet, scheduler.scale_model_input(latents, t), t, prompt_embeds,
+                                           negative_prompt_embeds, guidance_scale)
             if with_logprob:
                 latents, log_prob, x0 = ddim_step_with_logprob_and_x0(
                     scheduler, noise_pred, t, latents, eta=eta, generator=generator)

@@ -20,7 +20,8 @@ from refl_ddpo.prompts import DATA_DIR, load_prompts
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.sampling import decode_latents, denoise, encode_prompts, initial_noise
 from refl_ddpo.trainers import refl
-from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward, guided_noise_pred, kl_to_base, refl_step
+from refl_ddpo.sampling import guided_noise_pred
+from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward, kl_to_base, refl_step
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_refl_lora.sh"
@@ -92,9 +93,9 @@ def test_kl_term_is_the_noise_prediction_mse_to_the_base_model(tiny_models):
     assert all(p.requires_grad for p in params), "enable_adapters must make the LoRA trainable again"
     x_t, t = out.denoised.all_latents[k], out.denoised.timesteps[k]
     with torch.no_grad():
-        eps_lora = guided_noise_pred(pipe.unet, scheduler, x_t, t, prompt_embeds, None, 1.0)
+        eps_lora = guided_noise_pred(pipe.unet, scheduler.scale_model_input(x_t, t), t, prompt_embeds, None, 1.0)
         pipe.unet.disable_adapters()
-        eps_base = guided_noise_pred(pipe.unet, scheduler, x_t, t, prompt_embeds, None, 1.0)
+        eps_base = guided_noise_pred(pipe.unet, scheduler.scale_model_input(x_t, t), t, prompt_embeds, None, 1.0)
         pipe.unet.enable_adapters()
     expected = (eps_lora - eps_base).square().mean()
     assert expected > 0

@@ -80,11 +80,16 @@ def is_differentiable(spec: str) -> bool:
 
 
 def build_reward(spec: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
-                 model_dir: str = "checkpoint") -> Reward:
-    """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5')."""
+                 model_dir: str = "checkpoint", options: dict[str, dict] | None = None) -> Reward:
+    """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5').
+
+    `options` maps a reward name to extra keyword arguments of its factory, e.g.
+    {"imagereward": {"antialias": False}}."""
     parts = parse_reward_spec(spec)
     device = torch.device(device)
-    built = [(name, w, _REGISTRY[name][0](device=device, dtype=dtype, model_dir=model_dir)) for name, w in parts]
+    options = options or {}
+    built = [(name, w, _REGISTRY[name][0](device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
+             for name, w in parts]
     differentiable = all(_REGISTRY[name][1] for name, _ in parts)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]

@@ -420,9 +420,20 @@ def load(
 
 
 @register("imagereward", differentiable=True)
-def imagereward(device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn:
-    """ImageReward of each image for its prompt; keeps the graph back to `images` (ReFL backpropagates it)."""
+def imagereward(device: torch.device, dtype: torch.dtype, model_dir: str, antialias: bool = True,
+                gradient_checkpointing: bool = False) -> RewardFn:
+    """ImageReward of each image for its prompt; keeps the graph back to `images` (ReFL backpropagates it).
+
+    `antialias` is `preprocess`'s (False reproduces ImageReward's 2023 ReFL resize); `gradient_checkpointing`
+    recomputes both towers' activations in backward."""
     model = load(model_dir, device, dtype)
+    if gradient_checkpointing:
+        model.set_gradient_checkpointing(True)
+    return reward_from_model(model, antialias)
+
+
+def reward_from_model(model: ImageRewardModel, antialias: bool = True) -> RewardFn:
+    """The reward function around a loaded model: tokens cached by prompt, preprocessing as tensor ops."""
     # prompt -> (input_ids [35], attention_mask [35]), tokenized once
     tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -435,7 +446,7 @@ def imagereward(device: torch.device, dtype: torch.dtype, model_dir: str) -> Rew
             tokens.update(zip(new, zip(input_ids, attention_mask)))
         input_ids = torch.stack([tokens[p][0] for p in prompts])  # [B, 35]
         attention_mask = torch.stack([tokens[p][1] for p in prompts])  # [B, 35]
-        pixel_values = preprocess(images, size=model.image_size)  # [B, 3, 224, 224]
+        pixel_values = preprocess(images, antialias=antialias, size=model.image_size)  # [B, 3, 224, 224]
         return model(input_ids, attention_mask, pixel_values), {}
 
     return reward_fn

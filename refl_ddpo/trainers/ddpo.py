@@ -181,20 +181,11 @@ class DDPOConfig(CommonConfig):
                 "--checkpointing_steps is not used by DDPO, which checkpoints by epoch: use --save_freq "
                 "N (epochs) instead."
             )
-        for name in (
-            "sample_num_steps",
-            "sample_batch_size",
-            "sample_num_batches_per_epoch",
-            "train_gradient_accumulation_steps",
-            "train_num_inner_epochs",
-            "num_epochs",
-            "save_freq",
-            "per_prompt_stat_tracking_buffer_size",
-            "per_prompt_stat_tracking_min_count",
-            "max_workers",
-        ):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        self.check_positive(
+            "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch",
+            "train_gradient_accumulation_steps", "train_num_inner_epochs", "num_epochs", "save_freq",
+            "per_prompt_stat_tracking_buffer_size", "per_prompt_stat_tracking_min_count", "max_workers",
+        )
         if self.sample_eta <= 0:
             raise UserError(
                 f"--sample_eta must be > 0 (got {self.sample_eta}): DDPO's step log-probabilities need "
@@ -482,27 +473,6 @@ def seeded_generator(seed: int, *stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def _guided_eps(
-    unet,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    negative_embeds: torch.Tensor | None,
-    guidance_scale: float,
-) -> torch.Tensor:
-    """Noise prediction (B, C, h, w) with CFG in one doubled batch (uncond first, as the shared loop) when
-    `negative_embeds` is given and guidance_scale > 1; `timesteps` is (B,)."""
-    if negative_embeds is not None and guidance_scale > 1.0:
-        model_input = torch.cat([latents, latents])
-        embeds = torch.cat([negative_embeds, prompt_embeds])
-        eps = unet(
-            model_input, torch.cat([timesteps, timesteps]), encoder_hidden_states=embeds, return_dict=False
-        )[0]
-        uncond, text = eps.chunk(2)
-        return uncond + guidance_scale * (text - uncond)
-    return unet(latents, timesteps, encoder_hidden_states=prompt_embeds, return_dict=False)[0]
-
-
 def step_log_prob(
     unet,
     scheduler,
@@ -520,8 +490,9 @@ def step_log_prob(
     negative_embeds (B, L, D) or None (no CFG). The scheduler must have `set_timesteps(sample_num_steps)`.
     """
     from refl_ddpo.ddim import ddim_step_with_logprob
+    from refl_ddpo.sampling import guided_noise_pred
 
-    eps = _guided_eps(
+    eps = guided_noise_pred(
         unet,
         scheduler.scale_model_input(latents, timesteps),
         timesteps,
@@ -684,6 +655,8 @@ def train_on_samples(
     """
     from tqdm.auto import tqdm
 
+    from refl_ddpo.sampling import guided_noise_pred
+
     scheduler.set_timesteps(cfg.sample_num_steps, device=samples["latents"].device)
     samples = shuffle_samples(samples, generator)
     n, bs, n_steps = samples["timesteps"].shape[0], cfg.train_batch_size, num_train_timesteps(cfg)
@@ -715,7 +688,7 @@ def train_on_samples(
                         with torch.no_grad():
                             base.disable_adapters()
                             try:
-                                ref_eps = _guided_eps(
+                                ref_eps = guided_noise_pred(
                                     unet,
                                     scheduler.scale_model_input(
                                         batch["latents"][:, j], batch["timesteps"][:, j]

@@ -38,7 +38,14 @@ import torch.nn.functional as F
 
 from refl_ddpo.config import CommonConfig, field_, parse_config
 from refl_ddpo.errors import UserError, cli_main
-from refl_ddpo.sampling import DenoiseOutput, decode_latents, denoise, encode_prompts, initial_noise
+from refl_ddpo.sampling import (
+    DenoiseOutput,
+    decode_latents,
+    denoise,
+    encode_prompts,
+    guided_noise_pred,
+    initial_noise,
+)
 
 # The k generator's seed is `seed + K_STREAM_OFFSET`, so that its draws never coincide with the stream of a
 # process's own generator (seeded `seed + rank`), in this run or in a run with a nearby seed.
@@ -120,8 +127,7 @@ class ReFLConfig(CommonConfig):
         from refl_ddpo.rewards import available, is_differentiable, parse_reward_spec
 
         T = self.num_inference_steps
-        if self.max_train_steps <= 0:
-            raise UserError(f"--max_train_steps must be > 0 (got {self.max_train_steps}).")
+        self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
         if self.k_lo < 0:
             raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
         if self.k_lo > self.k_hi:
@@ -129,8 +135,6 @@ class ReFLConfig(CommonConfig):
         if self.k_hi >= T:
             raise UserError(f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
                             f"lower --k_hi or raise --num_inference_steps.")
-        if self.grad_scale <= 0:
-            raise UserError(f"--grad_scale must be > 0 (got {self.grad_scale}).")
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
         if self.guidance_scale < 1:
@@ -139,10 +143,10 @@ class ReFLConfig(CommonConfig):
             names = ", ".join(n for n in available() if is_differentiable(n))
             raise UserError(f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
                             f"reward: choose a differentiable one ({names}) or train this reward with DDPO.")
-        if parse_reward_spec(self.reward) != [("imagereward", 1.0)] and (
+        if "imagereward" not in [name for name, _ in parse_reward_spec(self.reward)] and (
                 self.reward_gradient_checkpointing or not self.reward_antialias):
-            raise UserError("--reward_gradient_checkpointing / --no-reward_antialias apply to --reward imagereward "
-                            f"only (got --reward {self.reward}).")
+            raise UserError("--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
+                            f"--reward {self.reward} does not include.")
         if self.total_batch_size is not None and self.total_batch_size <= 0:
             raise UserError(f"--total_batch_size must be > 0 (got {self.total_batch_size}).")
         if self.lr_warmup_steps < 0:
@@ -160,8 +164,6 @@ class ReFLConfig(CommonConfig):
                             "--use_lora (a full fine-tune has no base model to compare with).")
         if self.pretrain_loss_weight > 0 and not self.pretrain_data_dir:
             raise UserError("--pretrain_loss_weight > 0 needs --pretrain_data_dir (images + metadata.jsonl).")
-        if self.pretrain_batch_size <= 0:
-            raise UserError(f"--pretrain_batch_size must be > 0 (got {self.pretrain_batch_size}).")
         if self.image_log_steps < 0:
             raise UserError(f"--image_log_steps must be >= 0 (0 = off), got {self.image_log_steps}.")
         if self.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
@@ -275,25 +277,13 @@ def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLCo
 
 
 def build_refl_reward(cfg: ReFLConfig, device: torch.device, dtype: torch.dtype):
-    """The reward as a `refl_ddpo.rewards.Reward`. For plain `imagereward` it is built here from the public
-    ImageReward API so that --reward_antialias and --reward_gradient_checkpointing reach it (the registry factory
-    takes no options); any other differentiable spec comes from the registry unchanged."""
-    from refl_ddpo.rewards import Reward, build_reward, parse_reward_spec
+    """The reward as a `refl_ddpo.rewards.Reward`, with --reward_antialias and --reward_gradient_checkpointing
+    passed to ImageReward's factory."""
+    from refl_ddpo.rewards import build_reward
 
-    if parse_reward_spec(cfg.reward) != [("imagereward", 1.0)]:
-        return build_reward(cfg.reward, device, dtype, cfg.reward_model_dir)
-    from refl_ddpo.rewards import imagereward
-
-    model = imagereward.load(cfg.reward_model_dir, device, dtype)
-    if cfg.reward_gradient_checkpointing:
-        model.set_gradient_checkpointing(True)
-
-    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, dict]:
-        input_ids, attention_mask = model.tokenize(prompts)  # [B, 35] each
-        pixel_values = imagereward.preprocess(images, antialias=cfg.reward_antialias, size=model.image_size)
-        return model(input_ids, attention_mask, pixel_values), {}  # [B] float32, graph back to `images`
-
-    return Reward("imagereward", reward_fn, differentiable=True)
+    options = {"imagereward": {"antialias": cfg.reward_antialias,
+                               "gradient_checkpointing": cfg.reward_gradient_checkpointing}}
+    return build_reward(cfg.reward, device, dtype, cfg.reward_model_dir, options=options)
 
 
 def reward_log_key(spec: str) -> str:
@@ -334,19 +324,6 @@ def refl_step(unet, vae, scheduler, reward, prompt_embeds: torch.Tensor,
     return ReFLStepOutput(loss, rewards, images, denoised)
 
 
-def guided_noise_pred(unet, scheduler, latents: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
-                      negative_prompt_embeds: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
-    """The UNet output at (latents, t) with the same CFG as `denoise` (one batched call on [uncond, text])."""
-    do_cfg = guidance_scale > 1.0 and negative_prompt_embeds is not None
-    encoder_states = torch.cat([negative_prompt_embeds, prompt_embeds]) if do_cfg else prompt_embeds
-    model_input = scheduler.scale_model_input(torch.cat([latents] * 2) if do_cfg else latents, t)
-    noise_pred = unet(model_input, t, encoder_hidden_states=encoder_states, return_dict=False)[0]
-    if do_cfg:
-        uncond, text = noise_pred.chunk(2)
-        noise_pred = uncond + guidance_scale * (text - uncond)
-    return noise_pred
-
-
 def kl_to_base(unet, scheduler, denoised: DenoiseOutput, k: int, prompt_embeds: torch.Tensor,
                negative_prompt_embeds: torch.Tensor | None, guidance_scale: float) -> torch.Tensor:
     """The KL regulariser at the grad step: mean((eps_lora - eps_base)^2) over batch and latent elements.
@@ -367,8 +344,8 @@ def kl_to_base(unet, scheduler, denoised: DenoiseOutput, k: int, prompt_embeds: 
     with torch.no_grad():
         unet.disable_adapters()  # also sets requires_grad False on the LoRA weights; enable_adapters restores it
         try:
-            eps_base = guided_noise_pred(unet, scheduler, x_t, t, prompt_embeds, negative_prompt_embeds,
-                                         guidance_scale)
+            eps_base = guided_noise_pred(unet, scheduler.scale_model_input(x_t, t), t, prompt_embeds,
+                                         negative_prompt_embeds, guidance_scale)
         finally:
             unet.enable_adapters()
         # A throwaway generator: the step's noise is not used, and the run's own streams must not move.
