@@ -11,6 +11,14 @@ writes
 
 Same code paths and file layouts as the real weights, random values from fixed seeds, a few MB, a few seconds.
 The models are random: images are noise and rewards mean nothing except that they can be optimised.
+
+    python -m refl_ddpo.tiny OUT --denoiser_steps 800
+
+also writes OUT/stable-diffusion-denoiser/: the same VAE and text encoder with a smaller UNet trained for that many
+steps (about 0.1 s each on one core) to denoise a toy latent distribution, smooth random fields whose grain varies
+from sample to sample. Its images differ in how much detail they have, from flat to busy, as real SD's do, so a
+reward on detail (JPEG size) has something to select: DDPO's test of learning runs on it. A random UNet's images are
+all equally noisy (JPEG sizes within a few bytes of each other), and no policy gradient can be seen on them.
 """
 
 from __future__ import annotations
@@ -39,8 +47,59 @@ def _byte_level_vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
-def write_tiny_stable_diffusion(out: Path, seed: int = 0) -> Path:
-    """A StableDiffusionPipeline folder with tiny random UNet / VAE / CLIP text encoder. Returns its path."""
+def toy_latents(n: int, side: int, generator: torch.Generator) -> torch.Tensor:
+    """(n, 4, side, side) smooth random fields: N(0, 1) on a c x c grid, c one of side/8, side/4, side/2, side drawn
+    per sample, bicubic-upsampled to side x side and scaled to unit std per sample (coarse grids decode to flat
+    images, fine ones to busy images)."""
+    import torch.nn.functional as F
+
+    grids = (side // 8, side // 4, side // 2, side)
+    choice = torch.randint(0, len(grids), (n,), generator=generator)
+    fields = torch.empty(n, 4, side, side)
+    for k, c in enumerate(grids):
+        idx = (choice == k).nonzero().flatten()
+        z = torch.randn(len(idx), 4, c, c, generator=generator)
+        fields[idx] = F.interpolate(z, size=side, mode="bicubic", align_corners=False) if c < side else z
+    return fields / fields.std(dim=(1, 2, 3), keepdim=True)
+
+
+def train_toy_denoiser(pipe, steps: int, seed: int = 0, batch_size: int = 32, lr: float = 2e-3) -> float:
+    """Train `pipe.unet` for `steps` AdamW steps on the usual epsilon-prediction loss over all training timesteps,
+    on `toy_latents` (text embeddings of a few prompts and of "" as conditions; the data ignores them). Returns the
+    mean loss of the last 50 steps."""
+    import torch.nn.functional as F
+    from diffusers import DDPMScheduler
+    from tqdm.auto import tqdm
+
+    noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        conds = pipe.encode_prompt([f"prompt {i}" for i in range(16)] + [""], "cpu", 1, False)[0]
+    unet, side = pipe.unet, pipe.unet.config.sample_size
+    unet.train().requires_grad_(True)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in tqdm(range(steps), desc="tiny denoiser", leave=False):
+        x0 = toy_latents(batch_size, side, g)
+        noise = torch.randn(x0.shape, generator=g)
+        t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch_size,), generator=g)
+        cond = conds[torch.randint(0, len(conds), (batch_size,), generator=g)]
+        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=cond, return_dict=False)[0]
+        loss = F.mse_loss(pred, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    unet.eval().requires_grad_(False)
+    return sum(losses[-50:]) / len(losses[-50:])
+
+
+def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
+    """A StableDiffusionPipeline folder with tiny random UNet / VAE / CLIP text encoder; returns its path.
+
+    `denoiser_steps` > 0: OUT/stable-diffusion-denoiser instead, with a smaller UNet (16, 32 channels) trained that
+    many steps by `train_toy_denoiser`.
+    """
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
@@ -55,9 +114,9 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
         sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
-        norm_num_groups=32,
+        block_out_channels=(16, 32) if denoiser_steps else (32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8 if denoiser_steps else 32,
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(
@@ -76,7 +135,9 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0) -> Path:
         scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     )
-    sd_dir = out / "stable-diffusion"
+    if denoiser_steps:
+        train_toy_denoiser(pipe, denoiser_steps, seed)
+    sd_dir = out / ("stable-diffusion-denoiser" if denoiser_steps else "stable-diffusion")
     pipe.save_pretrained(sd_dir, safe_serialization=True)
     for f in tok_dir.iterdir():
         f.unlink()
@@ -84,8 +145,8 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0) -> Path:
     return sd_dir
 
 
-def write_tiny_models(out: str | Path, seed: int = 0) -> Path:
-    """Everything `checkpoint/` holds, tiny and random, under `out`."""
+def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
+    """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
     from refl_ddpo.rewards import aesthetic, imagereward
 
     out = Path(out)
@@ -93,6 +154,8 @@ def write_tiny_models(out: str | Path, seed: int = 0) -> Path:
     write_tiny_stable_diffusion(out, seed)
     imagereward.write_tiny(out, seed=seed)
     aesthetic.write_tiny(out / "aesthetic", seed=seed)
+    if denoiser_steps:
+        write_tiny_stable_diffusion(out, seed, denoiser_steps)
     return out
 
 
@@ -100,8 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="Folder to write (created if missing).")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--denoiser_steps", type=int, default=0,
+                        help="Also write OUT/stable-diffusion-denoiser, trained this many steps (e.g. 800).")
     args = parser.parse_args(argv)
-    out = write_tiny_models(args.out, args.seed)
+    if args.denoiser_steps < 0:
+        parser.error(f"--denoiser_steps {args.denoiser_steps}: give 0 (none) or a positive number of steps")
+    out = write_tiny_models(args.out, args.seed, args.denoiser_steps)
     print(f"tiny random models written to {out} (random weights: outputs are noise, for tests and demos only)")
 
 

@@ -1,8 +1,10 @@
 """DDPO trainer: on-policy log-probs, PPO loss / advantages / stat tracker vs closed forms, the update's direction,
-config checks, the shell script end to end, resume after a kill, two processes. CPU, tiny random models."""
+config checks, the shell script end to end, learning (held-out JPEG compressibility rises), resume after a kill,
+two processes. CPU, tiny models."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -474,6 +476,12 @@ def test_presets_set_defaults_that_flags_and_config_files_override(tmp_path):
 def test_alias_sets_the_ddpo_field():
     cfg = parse_ddpo_config(["--num_inference_steps", "8", "--guidance_scale", "3"])
     assert (cfg.sample_num_steps, cfg.num_inference_steps, cfg.sample_guidance_scale) == (8, 8, 3.0)
+    assert parse_ddpo_config(["--num_inference_steps", "8", "--sample_num_steps", "8"]).sample_num_steps == 8
+
+
+def test_alias_and_field_both_given_must_agree_even_at_the_default():
+    with pytest.raises(UserError, match="--num_inference_steps 8 and --sample_num_steps 50 disagree"):
+        parse_ddpo_config(["--sample_num_steps", "50", "--num_inference_steps", "8"])
 
 
 # ---- the shell script end to end ----
@@ -538,7 +546,7 @@ def trained(tiny_models, tmp_path_factory) -> tuple[Path, subprocess.CompletedPr
 
 
 @torch.no_grad()
-def _held_out(pipe) -> tuple[torch.Tensor, float]:
+def _held_out(pipe, steps: int = 4, per_prompt: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed-seed images of held-out prompts with the training sampler (DDIM, eta 1, CFG 5) and their JPEG kB."""
     from refl_ddpo.rewards.jpeg import jpeg_size_kb
 
@@ -546,7 +554,8 @@ def _held_out(pipe) -> tuple[torch.Tensor, float]:
     prompts = ["a lighthouse at dusk", "a bowl of soup", "a red car", "a mountain lake"]
     images = pipe(
         prompts,
-        num_inference_steps=4,
+        num_inference_steps=steps,
+        num_images_per_prompt=per_prompt,
         guidance_scale=5.0,
         eta=1.0,
         height=RES,
@@ -554,7 +563,7 @@ def _held_out(pipe) -> tuple[torch.Tensor, float]:
         generator=torch.Generator().manual_seed(7),
         output_type="pt",
     ).images
-    return images, jpeg_size_kb(images).mean().item()
+    return images, jpeg_size_kb(images)
 
 
 def test_script_trains_logs_and_saves_a_lora_that_loads_in_a_stock_pipeline(trained, tiny_models):
@@ -596,11 +605,51 @@ def test_script_trains_logs_and_saves_a_lora_that_loads_in_a_stock_pipeline(trai
 
     pipe = StableDiffusionPipeline.from_pretrained(tiny_models / "stable-diffusion")
     pipe.set_progress_bar_config(disable=True)
-    before, kb_before = _held_out(pipe)
+    before, _ = _held_out(pipe)
     pipe.load_lora_weights(str(out))  # a stock pipeline, stock loader
-    after, kb_after = _held_out(pipe)
-    print(f"held-out JPEG size before {kb_before:.4f} kB, after {kb_after:.4f} kB ({EPOCHS} epochs)")
+    after, _ = _held_out(pipe)
     assert (after - before).abs().max().item() > 1e-3, "the trained LoRA changes the samples"
+
+
+LEARN_EPOCHS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_denoiser(tmp_path_factory) -> Path:
+    """The tiny SD with a UNet trained 800 steps on toy latents (refl_ddpo.tiny), so its images differ in detail."""
+    from refl_ddpo.tiny import write_tiny_stable_diffusion
+
+    return write_tiny_stable_diffusion(tmp_path_factory.mktemp("denoiser"), denoiser_steps=800)
+
+
+def test_script_raises_jpeg_compressibility_of_held_out_samples(tiny_denoiser, tiny_models, tmp_path):
+    """DDPO learns, through the shell script: 12 epochs of 32 samples (10 DDIM steps, 4 of them trained per sample)
+    make fixed-seed samples of held-out prompts smaller as JPEG, and the training reward rises.
+
+    Compressibility, not incompressibility: an undirected change of a denoiser makes its images busier (bigger
+    JPEGs), so only an update that follows the reward can pass. The random tiny UNet cannot be used here: its images
+    are all equally noisy, so the reward has nothing to select (see refl_ddpo.tiny).
+    """
+    out = tmp_path / "learn"
+    flags = _flags(tiny_models, out, LEARN_EPOCHS, "--pretrained_model", str(tiny_denoiser),
+                   "--sample_num_steps", "10", "--train_timestep_fraction", "0.4", "--sample_batch_size", "8",
+                   "--sample_num_batches_per_epoch", "4", "--train_batch_size", "4", "--learning_rate", "3e-3",
+                   "--save_freq", str(LEARN_EPOCHS), "--report_to", "none")
+    r = _script(flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rewards = [float(m) for m in re.findall(r"reward/jpeg_compressibility/mean (-?[\d.]+)", r.stdout + r.stderr)]
+    assert len(rewards) == LEARN_EPOCHS, rewards
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_denoiser)
+    pipe.set_progress_bar_config(disable=True)
+    _, kb_before = _held_out(pipe, steps=10, per_prompt=4)
+    pipe.load_lora_weights(str(out))
+    _, kb_after = _held_out(pipe, steps=10, per_prompt=4)
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"held-out JPEG kB {kb_before.mean():.4f} -> {kb_after.mean():.4f} ({(kb_after < kb_before).sum()}/16 "
+          f"smaller); training reward, mean of the first / last 3 epochs {first:.4f} -> {last:.4f}")
+    assert kb_after.mean() < kb_before.mean() - 0.01, (kb_before, kb_after)
+    assert last > first, rewards
 
 
 def test_resume_after_a_killed_run_gives_the_bit_identical_lora(trained, tiny_models, tmp_path):

@@ -322,8 +322,28 @@ def _peek_preset(argv: list[str] | None) -> str | None:
         return None
 
 
+def _check_explicit_aliases(argv: list[str] | None) -> None:
+    """An alias and its field both on the command line must agree, even where the field's value is its default
+    (which DDPOConfig alone cannot tell from an unset field)."""
+    peek = argparse.ArgumentParser(add_help=False)
+    for alias, name in ALIASES.items():
+        peek.add_argument(f"--{alias}")
+        peek.add_argument(f"--{name}")
+    known, _ = peek.parse_known_args(argv)
+    for alias, name in ALIASES.items():
+        a, b = getattr(known, alias), getattr(known, name)
+        try:
+            clash = a is not None and b is not None and float(a) != float(b)
+        except ValueError:  # not a number: parse_config names the flag
+            clash = False
+        if clash:
+            raise UserError(f"--{alias} {a} and --{name} {b} disagree; --{alias} is an alias of --{name}: "
+                            "give only one of them.")
+
+
 def parse_ddpo_config(argv: list[str] | None = None) -> DDPOConfig:
     """Flags (and --config FILE, and --preset NAME) -> a checked DDPOConfig. Precedence: preset < file < flags."""
+    _check_explicit_aliases(argv)
     preset = _peek_preset(argv)
     cls = (
         _preset_class(preset) if preset in PRESETS else DDPOConfig
