@@ -27,6 +27,20 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device)
 
 
+def step_alphas(scheduler, timestep: int | torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a_t, a_prev, s^2) of the DDIM step from `timestep` ([] or [B]) on the CPU, in `dtype`; see the module doc."""
+    if scheduler.num_inference_steps is None:
+        raise ValueError("call scheduler.set_timesteps(...) before stepping")
+    timestep = torch.as_tensor(timestep, device="cpu", dtype=torch.long)
+    prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    alphas_cumprod = scheduler.alphas_cumprod.cpu().to(dtype)
+    a_t = alphas_cumprod[timestep]
+    a_prev = torch.where(prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)],
+                         torch.tensor(float(scheduler.final_alpha_cumprod), dtype=dtype))
+    return a_t, a_prev, (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+
+
 def ddim_step_with_logprob_and_x0(
     scheduler,
     model_output: torch.Tensor,
@@ -37,19 +51,10 @@ def ddim_step_with_logprob_and_x0(
     prev_sample: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ddim_step_with_logprob` that also returns the predicted x0 (the shared loop uses it)."""
-    if scheduler.num_inference_steps is None:
-        raise ValueError("call scheduler.set_timesteps(...) before stepping")
     if scheduler.config.prediction_type != "epsilon":
         raise ValueError(f"ddim_step_with_logprob supports prediction_type='epsilon', not "
                          f"'{scheduler.config.prediction_type}'")
-    timestep = torch.as_tensor(timestep, device="cpu", dtype=torch.long)  # [] or [B]
-    prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-
-    alphas_cumprod = scheduler.alphas_cumprod.cpu()  # float32, as in the scheduler (and the reference)
-    alpha_prod_t = alphas_cumprod[timestep]
-    alpha_prod_t_prev = torch.where(prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)],
-                                    torch.as_tensor(float(scheduler.final_alpha_cumprod)))
-    variance = (1 - alpha_prod_t_prev) / (1 - alpha_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
+    alpha_prod_t, alpha_prod_t_prev, variance = step_alphas(scheduler, timestep)  # float32, as the reference
     std_dev_t = _per_sample(eta * variance**0.5, sample)  # float32, as the reference
     alpha_prod_t = _per_sample(alpha_prod_t, sample)
     alpha_prod_t_prev = _per_sample(alpha_prod_t_prev, sample)

@@ -202,6 +202,29 @@ def _sample(pipe, negative, cfg, seed=0):
     return batches
 
 
+def _log_probs(pipe, negative, samples, cfg) -> torch.Tensor:
+    """(N, S) log-probs of the stored steps under the current UNet, with CFG (negative None: without)."""
+    negative = None if negative is None else negative.expand(len(samples["latents"]), -1, -1)
+    with torch.no_grad():
+        return torch.stack(
+            [
+                step_log_prob(
+                    pipe.unet,
+                    pipe.scheduler,
+                    samples["latents"][:, j],
+                    samples["timesteps"][:, j],
+                    samples["next_latents"][:, j],
+                    samples["prompt_embeds"],
+                    negative,
+                    cfg.sample_guidance_scale,
+                    cfg.sample_eta,
+                )[0]
+                for j in range(cfg.sample_num_steps)
+            ],
+            dim=1,
+        )
+
+
 @torch.no_grad()
 def test_recomputed_log_prob_of_stored_trajectory_gives_ratio_one(tiny_sd):
     """The first PPO step is on-policy: with unchanged weights, the training forward (per-sample timesteps after
@@ -214,66 +237,11 @@ def test_recomputed_log_prob_of_stored_trajectory_gives_ratio_one(tiny_sd):
     worst = 0.0
     for start in (0, 2):
         mb = {k: v[start : start + 2] for k, v in samples.items()}
-        for j in range(cfg.sample_num_steps):
-            log_prob, _ = step_log_prob(
-                pipe.unet,
-                pipe.scheduler,
-                mb["latents"][:, j],
-                mb["timesteps"][:, j],
-                mb["next_latents"][:, j],
-                mb["prompt_embeds"],
-                negative.expand(2, -1, -1),
-                cfg.sample_guidance_scale,
-                cfg.sample_eta,
-            )
-            worst = max(worst, (torch.exp(log_prob - mb["log_probs"][:, j]) - 1).abs().max().item())
+        worst = max(worst, (torch.exp(_log_probs(pipe, negative, mb, cfg) - mb["log_probs"]) - 1).abs().max().item())
     assert worst <= 1e-5, worst
     # and the check can fail: without CFG in the training forward it is another policy
-    off = max(
-        (
-            torch.exp(
-                step_log_prob(
-                    pipe.unet,
-                    pipe.scheduler,
-                    mb["latents"][:, j],
-                    mb["timesteps"][:, j],
-                    mb["next_latents"][:, j],
-                    mb["prompt_embeds"],
-                    None,
-                    1.0,
-                    cfg.sample_eta,
-                )[0]
-                - mb["log_probs"][:, j]
-            )
-            - 1
-        )
-        .abs()
-        .max()
-        .item()
-        for j in range(cfg.sample_num_steps)
-    )
+    off = (torch.exp(_log_probs(pipe, None, mb, cfg) - mb["log_probs"]) - 1).abs().max().item()
     assert off > 1e-2, off
-
-
-def _log_probs(pipe, negative, samples, cfg):
-    with torch.no_grad():
-        return torch.stack(
-            [
-                step_log_prob(
-                    pipe.unet,
-                    pipe.scheduler,
-                    samples["latents"][:, j],
-                    samples["timesteps"][:, j],
-                    samples["next_latents"][:, j],
-                    samples["prompt_embeds"],
-                    negative.expand(len(samples["latents"]), -1, -1),
-                    cfg.sample_guidance_scale,
-                    cfg.sample_eta,
-                )[0]
-                for j in range(cfg.sample_num_steps)
-            ],
-            dim=1,
-        )  # (N, S)
 
 
 def test_update_moves_probability_towards_positive_advantages(tiny_sd):

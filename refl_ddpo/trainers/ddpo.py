@@ -466,16 +466,11 @@ def ddim_step_kl(
         raise ValueError(
             "ddim_step_kl assumes clip_sample=False (the means are then affine in the noise prediction)"
         )
+    from refl_ddpo.ddim import step_alphas
+
     t = torch.as_tensor(timesteps, device="cpu", dtype=torch.long).reshape(-1)
-    prev_t = t - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-    alphas = scheduler.alphas_cumprod.cpu().double()
-    a_t = alphas[t]
-    a_prev = torch.where(
-        prev_t >= 0,
-        alphas[prev_t.clamp(min=0)],
-        torch.tensor(float(scheduler.final_alpha_cumprod), dtype=torch.float64),
-    )
-    var = eta**2 * (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
+    a_t, a_prev, s2 = step_alphas(scheduler, t, torch.float64)
+    var = eta**2 * s2
     k = (1 - a_prev - var).sqrt() - (a_prev * (1 - a_t) / a_t).sqrt()
     coef = (k**2 / (2 * var)).to(model_output.device, torch.float32)  # (B,)
     sq = ((model_output.float() - ref_model_output.float()) ** 2).mean(dim=tuple(range(1, model_output.ndim)))
