@@ -12,15 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: import refl_ddpo uninstalled
 
-from refl_ddpo.config import parse_config
-from refl_ddpo.errors import cli_main
-from refl_ddpo.generate import LoraInferenceConfig, run_inference
-
-
-@cli_main
-def main(argv: list[str] | None = None) -> None:
-    run_inference(parse_config(LoraInferenceConfig, argv, description=__doc__))
-
+from refl_ddpo.generate import main_lora as main  # noqa: E402
 
 if __name__ == "__main__":
     main()

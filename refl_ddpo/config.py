@@ -1,8 +1,19 @@
-"""Config dataclasses -> command-line flags, `--config FILE` (yaml/json) with CLI overrides, checks, saving.
+"""Config dataclasses -> command-line flags, in layers, with checks before anything is loaded.
 
-Every field carries `help` in its metadata (use `field_(default, "sentence")`); the flag `--name` is generated from
-the field name, its type from the annotation (`bool` -> `--x/--no-x`, `Literal[...]` -> choices). Cross-field checks
-live in each config's `check()` and raise `UserError` naming the fields; they run before any model is loaded.
+Every field carries `help` in its metadata (`field_(default, "sentence", group=..., flags=...)`); the flag `--name`
+is generated from the field name (plus any extra option strings in `flags`), its type from the annotation
+(`bool` -> `--x/--no-x`, `Literal[...]` -> choices), and `--help` lists the fields by group. Values come in layers,
+each overriding the one before:
+
+    the dataclass defaults
+    < the calling script's defaults (train_scripts/*.sh pass them in REFL_DDPO_DEFAULTS)
+    < a preset (`--preset NAME`, from the config's PRESETS table) where the config has one
+    < --config FILE (yaml or json)
+    < the flags on the command line (later flags win over earlier ones)
+
+Aliases of a field (`ALIASES = {alias: field}` on the config class) are resolved per layer: an alias and its field
+given in the same layer must agree. Cross-field checks live in each config's `check()` and raise `UserError` naming
+the fields; they run before any model is loaded.
 """
 
 from __future__ import annotations
@@ -11,27 +22,33 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from refl_ddpo.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINT_DIR = REPO_ROOT / "checkpoint"
+DEFAULTS_ENV = "REFL_DDPO_DEFAULTS"  # a script's defaults, as flags (a layer below --config)
+PROG_ENV = "REFL_DDPO_PROG"  # how the user called the program, for --help and usage lines
 
 
-def field_(default: Any, help: str, **kw) -> Any:
-    """A dataclass field with a help sentence (mutable defaults are copied per instance)."""
+def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, ...] = (), **kw) -> Any:
+    """A dataclass field with a help sentence; `group` starts a --help section that the fields after it share
+    (until the next group); `flags` are extra option strings (aliases). Mutable defaults are copied per instance."""
+    metadata = {"help": help, "group": group, "flags": tuple(flags), **kw}
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class ConfigBase:
-    """What every config dataclass can do: dict/JSON out, a readable print."""
+    """What every config dataclass can do: dict/JSON out, a readable print, shared checks."""
+
+    ALIASES: ClassVar[dict[str, str]] = {}  # alias field -> the field it stands for
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}  # --preset NAME -> field values (a defaults layer)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -49,30 +66,56 @@ class ConfigBase:
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
 
+    def check(self) -> None:
+        """Cross-field checks; subclasses extend and call super().check()."""
+
+
+def accelerate_mixed_precision() -> str:
+    """The mixed_precision of the user's accelerate config (`accelerate config`), or 'no' without one."""
+    try:
+        from accelerate.commands.config.config_args import default_config_file
+    except ImportError:
+        return "no"
+    path = Path(os.environ.get("ACCELERATE_CONFIG_FILE", default_config_file))
+    if not path.is_file():
+        return "no"
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return "no"
+    value = str(data.get("mixed_precision", "no")) if isinstance(data, dict) else "no"
+    return value if value in ("no", "fp16", "bf16") else "no"
+
 
 @dataclass
 class CommonConfig(ConfigBase):
-    """Fields shared by both trainers."""
+    """Fields shared by all trainers."""
 
-    # ---- models ----
     pretrained_model: str = field_(
-        str(CHECKPOINT_DIR / "stable-diffusion-v1-4"),
-        "Base Stable Diffusion: a local diffusers folder or a hub id (e.g. CompVis/stable-diffusion-v1-4).",
+        "checkpoint/stable-diffusion-v1-4",
+        "Base model: a local diffusers folder (SD 1.x/2.x) or a hub id (e.g. CompVis/stable-diffusion-v1-4).",
+        group="models", flags=("--pretrained_model_name_or_path",),
     )
     reward_model_dir: str = field_(
-        str(CHECKPOINT_DIR),
-        "Folder with ImageReward.pt, med_config.json and bert-base-uncased/ (or the hub id THUDM/ImageReward).",
+        "checkpoint",
+        "Folder with the reward models' files: ImageReward.pt, med_config.json and bert-base-uncased/ (or the hub id "
+        "THUDM/ImageReward), aesthetic/, the toy world's toy_classifier.*.",
     )
-    output_dir: str = field_("checkpoint/out", "Where the final LoRA, its config.json and checkpoint-N/ go.")
+    output_dir: str = field_("checkpoint/out", "Where the final LoRA, its config.json and checkpoint-N/ go.",
+                             group="data and output")
     prompts_file: str | None = field_(
         None, "Prompts: one per line, or a JSON list of strings / {'text'|'prompt': ...} objects."
     )
     seed: int = field_(42, "Seed for noise, timestep choices and data order (each process adds its rank).")
-    resolution: int = field_(512, "Image side in pixels; latents are resolution / vae_scale_factor.")
+    resolution: int | None = field_(
+        None, "Image side in pixels; default: the model's native one (its sample_size x VAE scale factor).",
+        group="sampling",
+    )
     num_inference_steps: int = field_(40, "Denoising steps of the sampler.")
     guidance_scale: float = field_(7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off).")
-    # ---- optimisation ----
-    learning_rate: float = field_(1e-4, "AdamW learning rate.")
+    learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation")
     adam_beta1: float = field_(0.9, "AdamW beta1.")
     adam_beta2: float = field_(0.999, "AdamW beta2.")
     adam_weight_decay: float = field_(1e-2, "AdamW weight decay.")
@@ -81,25 +124,26 @@ class CommonConfig(ConfigBase):
     max_grad_norm: float = field_(1.0, "Clip the gradient norm of the trained parameters to this (0 = off).")
     train_batch_size: int = field_(1, "Images per optimizer micro-batch, per GPU.")
     gradient_accumulation_steps: int = field_(1, "Micro-batches accumulated into one optimizer step.")
-    mixed_precision: Literal["no", "fp16", "bf16"] = field_(
-        "no", "Dtype of the frozen weights and of autocast; trainable weights stay float32."
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = field_(
+        None, "Dtype of the frozen weights and of autocast; trainable weights stay float32. Default: the "
+              "mixed_precision of your accelerate config (`accelerate config`), else no."
     )
     allow_tf32: bool = field_(True, "Allow TF32 matmuls on Ampere+ GPUs (faster, ~1e-3 relative error).")
-    # ---- LoRA ----
-    use_lora: bool = field_(True, "Train LoRA adapters on the UNet; --no-use_lora fine-tunes the whole UNet.")
+    use_lora: bool = field_(True, "Train LoRA adapters on the network; --no-use_lora fine-tunes all of it.",
+                            group="LoRA")
     lora_rank: int = field_(4, "LoRA rank r.")
     lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.")
     lora_target_modules: list[str] = field_(
-        ["to_q", "to_k", "to_v", "to_out.0"], "UNet module names that get LoRA adapters."
+        ["to_q", "to_k", "to_v", "to_out.0"], "Module names of the network that get LoRA adapters."
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",
         "LoRA init: 'gaussian' (peft: Gaussian A, zero B, so training starts at the base model), 'default' "
         "(Kaiming A, zero B), or 'random' (A and B random: the output changes at once; for tests).",
     )
-    gradient_checkpointing: bool = field_(False, "Recompute UNet activations in backward to save memory.")
-    # ---- state ----
-    checkpointing_steps: int = field_(0, "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).")
+    gradient_checkpointing: bool = field_(False, "Recompute network activations in backward to save memory.")
+    checkpointing_steps: int = field_(0, "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
+                                      group="state and logging")
     checkpoints_total_limit: int | None = field_(None, "Keep at most this many checkpoint-N folders.")
     resume_from_checkpoint: str | None = field_(None, "'latest' or a checkpoint-N path to resume from.")
     device: str | None = field_(None, "Force a device (e.g. cpu); default: what accelerate picks.")
@@ -107,15 +151,17 @@ class CommonConfig(ConfigBase):
     report_to: Literal["tensorboard", "none"] = field_("tensorboard", "Where scalars and images are logged.")
 
     def check(self) -> None:
-        """Cross-field checks common to all scripts; subclasses extend and call super().check()."""
-        self.check_positive("resolution", "num_inference_steps", "train_batch_size", "gradient_accumulation_steps",
-                            "lora_rank", "learning_rate")
+        if self.mixed_precision is None:
+            self.mixed_precision = accelerate_mixed_precision()
+        self.check_positive("num_inference_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank",
+                            "learning_rate")
+        if self.resolution is not None:
+            self.check_positive("resolution")
         if self.checkpointing_steps < 0:
             raise UserError("--checkpointing_steps must be >= 0 (0 turns periodic checkpoints off).")
         if not self.lora_target_modules:
-            raise UserError("--lora_target_modules is empty: name at least one UNet module (e.g. to_q to_k).")
+            raise UserError("--lora_target_modules is empty: name at least one module (e.g. to_q to_k).")
 
-    # ---- helpers ----
     @property
     def resolved_lora_alpha(self) -> float:
         return float(self.lora_rank if self.lora_alpha is None else self.lora_alpha)
@@ -128,8 +174,7 @@ class CommonConfig(ConfigBase):
 
 def _unwrap_optional(tp):
     """`X | None` -> (X, True); anything else -> (tp, False)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0], True
@@ -144,16 +189,24 @@ def _parse_none(conv):
     return parse
 
 
-def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
-    """An argparse parser with one flag per dataclass field, plus `--config FILE`."""
-    parser = argparse.ArgumentParser(description=description or cls.__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default=None, help="A yaml or json file of field: value; flags override it.")
+def build_parser(cls: type, description: str | None = None, suppress_defaults: bool = False,
+                 prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per dataclass field (grouped as the fields' `group`s), plus `--config`.
+
+    `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given)."""
+    parser = argparse.ArgumentParser(prog=prog or os.environ.get(PROG_ENV), description=description or cls.__doc__,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
+                                     argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    parser.add_argument("--config", help="A yaml or json file of field: value; flags override it.")
     hints = typing.get_type_hints(cls)
+    group = parser
     for f in fields(cls):
+        if f.metadata.get("group"):
+            group = parser.add_argument_group(f.metadata["group"])
         tp, optional = _unwrap_optional(hints[f.name])
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name, "default": default}
+        kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
+        if not suppress_defaults:
+            kw["default"] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         origin = typing.get_origin(tp)
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
@@ -166,44 +219,75 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
             kw["type"] = inner
         else:
             kw["type"] = _parse_none(tp) if optional else tp
-        parser.add_argument(f"--{f.name}", **kw)
+        if f.name == "preset" and getattr(cls, "PRESETS", None):
+            kw["choices"] = list(cls.PRESETS)
+            kw.pop("type", None)
+        group.add_argument(f"--{f.name}", *f.metadata.get("flags", ()), **kw)
     return parser
 
 
-def _load_config_file(path: str) -> dict:
+def _load_config_file(path: str, names: set[str]) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: no such file.")
-    text = p.read_text()
     import yaml
 
     try:
+        text = p.read_text()
         data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:  # parse errors carry a line number
         raise UserError(f"--config {path} is not valid {p.suffix.lstrip('.') or 'json'}: {e}".splitlines()[0])
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must hold a mapping of field: value.")
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise UserError(f"--config {path}: unknown field(s) {', '.join(unknown)}; see --help for names.")
     return data
 
 
-def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None):
-    """Parse flags (and `--config FILE`) into a checked `cls` instance. Flags on the command line win."""
-    parser = build_parser(cls, description)
+def _resolve_aliases(cls: type, layer: dict, where: str) -> dict:
+    """An alias in a layer sets its field; both in one layer must agree."""
+    layer = dict(layer)
+    for alias, name in getattr(cls, "ALIASES", {}).items():
+        if alias in layer and layer[alias] is not None:
+            if name in layer and layer[name] != layer[alias]:
+                raise UserError(f"--{alias} {layer[alias]} and --{name} {layer[name]} disagree{where}; --{alias} "
+                                f"is an alias of --{name}: give only one of them.")
+            layer[name] = layer.pop(alias)
+        layer.pop(alias, None)
+    return layer
+
+
+def parse_layers(cls: type, argv: list[str] | None = None, description: str | None = None) -> dict:
+    """The field values from every layer (see the module doc), merged, before the dataclass is built."""
     names = {f.name for f in fields(cls)}
-    args_list = list(argv) if argv is not None else None
-    # find --config first so the file's values become defaults and explicit flags override them
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config", default=None)
-    known, _ = first.parse_known_args(args_list)
-    config_path = known.config
-    if config_path:
-        data = _load_config_file(config_path)
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise UserError(f"--config {config_path}: unknown field(s) {', '.join(unknown)}; see --help for names.")
-        parser.set_defaults(**data)
-    ns = parser.parse_args(args_list)
-    values = {k: v for k, v in vars(ns).items() if k in names}
-    cfg = cls(**values)
+    explicit = build_parser(cls, description, suppress_defaults=True)
+    build_parser(cls, description).parse_args(argv)  # --help, and argparse's own errors with defaults shown
+    flags = vars(explicit.parse_args(argv))
+    config_path = flags.pop("config", None)
+    script = vars(explicit.parse_args(shlex.split(os.environ.get(DEFAULTS_ENV, ""))))
+    script.pop("config", None)
+    layers = [(_resolve_aliases(cls, script, " in the script's defaults"), "script")]
+    file_layer = _load_config_file(config_path, names) if config_path else {}
+    flags_layer = _resolve_aliases(cls, flags, "")
+    file_layer = _resolve_aliases(cls, file_layer, f" in --config {config_path}")
+    preset = flags_layer.get("preset", file_layer.get("preset", layers[0][0].get("preset")))
+    presets = getattr(cls, "PRESETS", {})
+    if preset is not None:
+        if preset not in presets:
+            raise UserError(f"--preset {preset}: unknown; choose from {', '.join(presets) or 'none'}.")
+        layers.append((dict(presets[preset]), "preset"))
+    layers += [(file_layer, "file"), (flags_layer, "flags")]
+    values: dict = {}
+    for layer, _ in layers:
+        values.update(layer)
+    return values
+
+
+def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None):
+    """Parse the layers (script defaults, preset, --config FILE, flags) into a checked `cls` instance."""
+    cfg = cls(**parse_layers(cls, argv, description))
+    for alias, name in getattr(cls, "ALIASES", {}).items():  # the saved config reads either way
+        setattr(cfg, alias, getattr(cfg, name))
     cfg.check()
     return cfg

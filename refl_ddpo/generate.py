@@ -1,9 +1,9 @@
 """Before/after inference: the same prompts and seeds through the base model or base + LoRA, scored with
-ImageReward, and the paired comparison of two such runs.
+ImageReward (`refl_ddpo.compare` pairs two such runs).
 
-`inference/inference.py`, `inference/inference_lora.py` and `inference/compare.py` are thin entry points to
-`run_inference` and `run_compare`. The images come from the shared loop (`refl_ddpo.sampling`) on the shared loaders
-(`refl_ddpo.models`, `refl_ddpo.lora`); nothing here is a copy of a pipeline.
+`inference/inference.py` and `inference/inference_lora.py` are thin entry points to `main_base` and `main_lora`.
+The images come from the shared loop (`refl_ddpo.sampling`) on the model family's adapter (`refl_ddpo.families`) and
+the LoRA core (`refl_ddpo.lora`); nothing here is a copy of a pipeline.
 
 Seeds: image j of prompt i is drawn from its own CPU generator seeded `seed + i * num_images_per_prompt + j` (the
 stochastic scheduler steps, with eta > 0, use the same generator). Its starting noise therefore depends only on that
@@ -29,8 +29,9 @@ from typing import Literal
 
 import torch
 
-from refl_ddpo.config import CHECKPOINT_DIR, REPO_ROOT, ConfigBase, field_
-from refl_ddpo.errors import UserError
+from refl_ddpo.config import ConfigBase, field_, parse_config
+from refl_ddpo.errors import UserError, cli_main
+from refl_ddpo.images import caption_grid, to_uint8, write_json_atomic
 from refl_ddpo.lora import (
     CONFIG_NAME,
     FULL_UNET_DIR,
@@ -38,24 +39,15 @@ from refl_ddpo.lora import (
     load_lora_into_pipeline,
     read_saved_config,
 )
-from refl_ddpo.models import check_pretrained_model, load_pipeline, torch_dtype
+from refl_ddpo.models import check_pretrained_model, torch_dtype
 from refl_ddpo.prompts import DATA_DIR, load_prompts
-from refl_ddpo.sampling import decode_latents, denoise, encode_prompts, initial_noise
 
 DEFAULT_PROMPTS_FILE = DATA_DIR / "eval_prompts.txt"
-OUTPUTS_DIR = REPO_ROOT / "outputs"
-DEFAULT_BASE_MODEL = str(CHECKPOINT_DIR / "stable-diffusion-v1-4")
-DEFAULT_RESOLUTION = 512
+DEFAULT_BASE_MODEL = "checkpoint/stable-diffusion-v1-4"  # relative to where the command runs (the repo root)
 SCORES_FILE = "scores.json"
 GRID_FILE = "grid.png"
-COMPARE_JSON = "compare.json"
-COMPARE_PNG = "compare.png"
 SCORE_KEY = "imagereward"  # the score field of each record in scores.json
 
-# --scheduler choices -> diffusers classes, built with from_config on the model's own scheduler config (keeps betas,
-# steps_offset, set_alpha_to_one), as the trainers do. Only schedulers whose step returns pred_original_sample, which
-# the shared loop reads (PNDM and DPM-Solver do not).
-SCHEDULERS = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}
 # Settings that change the images; compare.py notes when two runs differ in any of them.
 GENERATION_SETTINGS = ("pretrained_model", "num_inference_steps", "guidance_scale", "scheduler", "eta", "resolution",
                        "dtype")
@@ -76,7 +68,7 @@ class InferenceConfig(ConfigBase):
         "Base Stable Diffusion: a local diffusers folder or a hub id (e.g. CompVis/stable-diffusion-v1-4).",
     )
     reward_model_dir: str = field_(
-        str(CHECKPOINT_DIR),
+        "checkpoint",
         "Folder with ImageReward.pt, med_config.json and bert-base-uncased/; without them the images are still "
         "written and the scores are null, with the reason in scores.json.",
     )
@@ -89,22 +81,27 @@ class InferenceConfig(ConfigBase):
     num_inference_steps: int = field_(50, "Denoising steps of the sampler.")
     guidance_scale: float = field_(7.5, "Classifier-free guidance scale (1 or less turns CFG off).")
     scheduler: Literal["ddim", "euler"] = field_(
-        "ddim", "Sampler, built from the model's scheduler config (ddim with eta 0 is deterministic)."
+        "ddim", "Sampler, built from the model's scheduler config (ddim with eta 0 is deterministic; those the model "
+                "family offers, refl_ddpo.families)."
     )
     eta: float = field_(0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed).")
-    resolution: int = field_(DEFAULT_RESOLUTION, "Image side in pixels (a multiple of the VAE scale factor, 8 for SD).")
+    resolution: int | None = field_(
+        None, "Image side in pixels (a multiple of the VAE scale factor); default: the model's native one."
+    )
     # ---- how ----
     batch_size: int = field_(4, "Images per UNet batch (CFG doubles the UNet batch); lower it if memory runs out.")
     device: str | None = field_(None, "Device (cpu, cuda, cuda:1 ...); default: cuda if available, else cpu.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = field_(
         "auto", "Dtype of the diffusion models; auto: fp16 on a GPU, fp32 on the CPU. ImageReward runs in fp32."
     )
-    output_dir: str = field_(str(OUTPUTS_DIR / "base"), "Folder for the PNGs, grid.png and scores.json.")
+    output_dir: str = field_("outputs/base", "Folder for the PNGs, grid.png and scores.json.")
     grid_max_images: int = field_(64, "grid.png shows the first this-many images (0: no grid).")
 
     def check(self) -> None:
         """Resolve the automatic defaults (device, dtype) and check the fields, before any model is loaded."""
-        self.check_positive("num_images_per_prompt", "num_inference_steps", "batch_size", "resolution")
+        self.check_positive("num_images_per_prompt", "num_inference_steps", "batch_size")
+        if self.resolution is not None:
+            self.check_positive("resolution")
         if self.grid_max_images < 0:
             raise UserError(f"--grid_max_images must be >= 0 (got {self.grid_max_images}); 0 writes no grid.")
         if self.guidance_scale < 0:
@@ -130,11 +127,11 @@ class LoraInferenceConfig(InferenceConfig):
     )
     resolution: int | None = field_(
         None,
-        f"Image side in pixels; default: the resolution recorded in lora_dir/config.json, else {DEFAULT_RESOLUTION}.",
+        "Image side in pixels; default: the resolution recorded in lora_dir/config.json, else the model's native one.",
     )
-    output_dir: str = field_(str(OUTPUTS_DIR / "lora"), "Folder for the PNGs, grid.png and scores.json.")
+    output_dir: str = field_("outputs/lora", "Folder for the PNGs, grid.png and scores.json.")
     lora_dir: str = field_(
-        str(CHECKPOINT_DIR / "refl_lora"),
+        "checkpoint/refl_lora",
         "Trained LoRA folder (pytorch_lora_weights.safetensors, diffusers format; or unet/ of a full fine-tune), "
         "e.g. checkpoint/refl_lora or checkpoint/ddpo_lora.",
     )
@@ -152,7 +149,7 @@ class LoraInferenceConfig(InferenceConfig):
         saved = _read_lora_config(lora_dir)
         if self.pretrained_model is None:
             recorded = saved.get("pretrained_model")
-            self.pretrained_model = _recorded_path(recorded) if recorded else DEFAULT_BASE_MODEL
+            self.pretrained_model = recorded or DEFAULT_BASE_MODEL
             self.base_from_lora_config = bool(recorded)  # errors about the base then say where it came from
             if recorded:
                 try:
@@ -160,8 +157,8 @@ class LoraInferenceConfig(InferenceConfig):
                 except UserError as e:
                     raise UserError(f"{e} (this base model is recorded in {lora_dir / CONFIG_NAME}; pass "
                                     "--pretrained_model to use another).") from None
-        if self.resolution is None:
-            self.resolution = int(saved.get("resolution") or DEFAULT_RESOLUTION)
+        if self.resolution is None and saved.get("resolution"):
+            self.resolution = int(saved["resolution"])
         super().check()
 
 
@@ -173,14 +170,6 @@ def _read_lora_config(lora_dir: Path) -> dict:
     if not isinstance(saved, dict):
         raise UserError(f"{lora_dir / CONFIG_NAME} must hold a JSON object (the training config).")
     return saved
-
-
-def _recorded_path(name: str) -> str:
-    """A model path recorded by a trainer. The train scripts run from the repo root, so a relative path recorded
-    there is read relative to the repo root when it does not exist from here."""
-    if not os.path.isabs(name) and not os.path.exists(name) and (REPO_ROOT / name).exists():
-        return str(REPO_ROOT / name)
-    return name
 
 
 def resolve_device(name: str | None) -> str:
@@ -225,49 +214,51 @@ def plan_images(prompts: list[tuple[str, dict]], num_images_per_prompt: int, see
             for i, (prompt, metadata) in enumerate(prompts) for j in range(num_images_per_prompt)]
 
 
-def load_inference_pipeline(cfg: InferenceConfig):
-    """The frozen pipeline (base, plus the LoRA for a `LoraInferenceConfig`) with the chosen scheduler."""
-    import diffusers
+def load_inference_family(cfg: InferenceConfig):
+    """The frozen model family (base, plus the LoRA for a `LoraInferenceConfig`) with the chosen scheduler set as
+    `family.pipe.scheduler`; `cfg.resolution` resolved to the model's native one where unset."""
+    from refl_ddpo.families import load_family
 
     try:
-        pipe = load_pipeline(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device)
+        family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device)
     except UserError as e:
         if getattr(cfg, "base_from_lora_config", False):
             raise UserError(f"{e} (this base model is recorded in {Path(cfg.lora_dir) / CONFIG_NAME}; pass "
                             "--pretrained_model to use another).") from None
         raise
-    pipe.scheduler = getattr(diffusers, SCHEDULERS[cfg.scheduler]).from_config(pipe.scheduler.config)
-    if cfg.resolution % pipe.vae_scale_factor:
+    if cfg.scheduler not in family.schedulers:
+        raise UserError(f"--scheduler {cfg.scheduler} does not fit a {family.name} model; use one of "
+                        f"{', '.join(family.schedulers)}.")
+    family.pipe.scheduler = family.scheduler(family.schedulers[cfg.scheduler])
+    if cfg.resolution is None:
+        cfg.resolution = family.native_resolution
+    if cfg.resolution % family.vae_scale_factor:
         raise UserError(f"--resolution {cfg.resolution} must be a multiple of this VAE's scale factor "
-                        f"{pipe.vae_scale_factor}.")
+                        f"{family.vae_scale_factor}.")
     if isinstance(cfg, LoraInferenceConfig):
-        load_lora_into_pipeline(pipe, cfg.lora_dir, cfg.lora_scale)
-    return pipe
+        load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale)
+    return family
 
 
 @torch.inference_mode()
-def generate_batch(pipe, prompts: list[str], seeds: list[int], resolution: int, num_inference_steps: int,
+def generate_batch(family, prompts: list[str], seeds: list[int], resolution: int, num_inference_steps: int,
                    guidance_scale: float, eta: float = 0.0) -> torch.Tensor:
-    """Images (B, 3, H, W) float32 in [0, 1] on the pipeline's device; image b from a CPU generator seeded seeds[b].
+    """Images (B, 3, H, W) float32 in [0, 1] on the model's device; image b from a CPU generator seeded seeds[b].
 
     Runs in inference mode: no autograd graph is kept (the pipeline's memory for one no-grad forward), even if
     LoRA parameters require grad.
     """
-    device = pipe.device
+    from refl_ddpo.sampling import denoise
+
     # CPU generators: the same seed gives the same noise on any device (diffusers' randn_tensor draws on the CPU
     # and moves); a list gives each image its own stream, whatever the batch.
     generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    prompt_embeds, negative_embeds = encode_prompts(pipe, prompts, device, with_negative=guidance_scale > 1.0)
-    noise = initial_noise(len(prompts), pipe.unet, resolution, pipe.vae_scale_factor, generators, device,
-                          prompt_embeds.dtype)  # (B, 4, resolution / f, resolution / f), as the pipeline draws it
-    out = denoise(pipe.unet, pipe.scheduler, prompt_embeds, negative_embeds, noise, num_inference_steps,
+    cond, uncond = family.encode_prompts(prompts, with_negative=guidance_scale > 1.0)
+    dtype = next(iter(cond.values())).dtype
+    noise = family.initial_noise(len(prompts), resolution, generators, dtype)  # as the pipeline draws it
+    out = denoise(family, family.pipe.scheduler, cond, uncond, noise, num_inference_steps,
                   guidance_scale=guidance_scale, eta=eta, generator=generators)
-    return decode_latents(pipe.vae, out.latents)  # (B, 3, H, W)
-
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """(B, 3, H, W) in [0, 1] -> (B, H, W, 3) uint8 on the CPU, rounded as diffusers' numpy_to_pil."""
-    return (images.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    return family.decode(out.latents)  # (B, 3, H, W)
 
 
 class ImageRewardScorer:
@@ -314,13 +305,6 @@ def _png_info(spec: ImageSpec, settings: dict):
     return info
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write to a temporary file beside `path` and rename it over `path` (no half-written JSON)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def score_summary(scores: list[float | None]) -> tuple[float | None, float | None]:
     """(mean, sample std with n - 1) of the scores; None where there are no scores (std needs two)."""
     values = [s for s in scores if s is not None]
@@ -346,7 +330,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
     from PIL import Image
     from tqdm.auto import tqdm
 
-    from refl_ddpo.training import caption_grid, check_output_dir
+    from refl_ddpo.training import check_output_dir
 
     # ---- everything a user can get wrong, before any model is loaded ----
     prompts = load_prompts(cfg.prompts_file)
@@ -358,7 +342,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
 
     # ---- models ----
     quiet_hf_logging()
-    pipe = load_inference_pipeline(cfg)
+    family = load_inference_family(cfg)
     scorer = ImageRewardScorer(cfg.reward_model_dir, cfg.device)
     settings = {k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)}
 
@@ -369,7 +353,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
     start = time.perf_counter()
     with tqdm(total=len(specs), desc="images", unit="img") as bar:
         for batch in _batches(specs, cfg.batch_size):
-            images = generate_batch(pipe, [s.prompt for s in batch], [s.seed for s in batch], cfg.resolution,
+            images = generate_batch(family, [s.prompt for s in batch], [s.seed for s in batch], cfg.resolution,
                                     cfg.num_inference_steps, cfg.guidance_scale, cfg.eta)
             pixels = to_uint8(images)  # (B, H, W, 3)
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
@@ -387,7 +371,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
 
     # ---- grid, then scores.json last ----
     if grid_images:
-        captions = [f"{_fmt(r[SCORE_KEY])} s{r['seed']} {r['prompt']}" for r in records[: len(grid_images)]]
+        captions = [f"{fmt_score(r[SCORE_KEY])} s{r['seed']} {r['prompt']}" for r in records[: len(grid_images)]]
         grid = caption_grid(torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255, captions,
                             cols=cfg.num_images_per_prompt if cfg.num_images_per_prompt > 1 else 4)
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out_dir / GRID_FILE)
@@ -397,177 +381,23 @@ def run_inference(cfg: InferenceConfig) -> dict:
         result["score_error"] = scorer.error
     result.update({"seconds_per_image": seconds / len(records), "config": cfg.to_dict(), "records": records})
     write_json_atomic(out_dir / SCORES_FILE, result)
-    summary = f"ImageReward mean {_fmt(mean)} std {_fmt(std)}" if mean is not None else "no ImageReward scores"
+    summary = f"ImageReward mean {fmt_score(mean)} std {fmt_score(std)}" if mean is not None else "no ImageReward scores"
     print(f"{len(records)} images ({seconds / len(records):.2f} s/image) in {out_dir}: {summary}", flush=True)
     return result
 
 
-def _fmt(x: float | None, sign: bool = False) -> str:
+def fmt_score(x: float | None, sign: bool = False) -> str:
+    """A score as printed and captioned: three decimals, n/a for None."""
     return "n/a" if x is None else (f"{x:+.3f}" if sign else f"{x:.3f}")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# comparison of two runs
-# --------------------------------------------------------------------------------------------------------------
+@cli_main
+def main_base(argv: list[str] | None = None) -> None:
+    """Entry point of inference/inference.py (and the refl-ddpo-inference command)."""
+    run_inference(parse_config(InferenceConfig, argv, description=InferenceConfig.__doc__))
 
 
-def load_run(run_dir: str | Path) -> dict:
-    """scores.json of a run folder, with one-line errors when it is missing or not ours."""
-    path = Path(run_dir) / SCORES_FILE
-    if not path.is_file():
-        raise UserError(f"{run_dir} has no {SCORES_FILE}: run inference/inference.py (or inference_lora.py) with "
-                        f"--output_dir {run_dir} first.")
-    try:
-        run = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); run inference again.") from None
-    if not isinstance(run, dict) or not isinstance(run.get("records"), list):
-        raise UserError(f"{path} has no 'records' list: it was not written by inference/inference.py.")
-    return run
-
-
-def paired_bootstrap_ci(differences, num_resamples: int = 10_000, seed: int = 0,
-                        level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of paired differences: resample the pairs with replacement."""
-    import numpy as np
-
-    diffs = np.asarray(differences, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = np.concatenate([  # in chunks: at most 1000 x n indices in memory
-        diffs[rng.integers(0, len(diffs), size=(min(1000, num_resamples - k), len(diffs)))].mean(axis=1)
-        for k in range(0, num_resamples, 1000)
-    ])
-    tail = (1 - level) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return float(lo), float(hi)
-
-
-def match_pairs(before: dict, after: dict, before_name: str, after_name: str) -> list[tuple[dict, dict]]:
-    """Records paired by (prompt, seed), in the order of `before`; a UserError unless both hold the same pairs."""
-    def index(run: dict, name: str) -> dict:
-        out = {}
-        for r in run["records"]:
-            key = (r["prompt"], r["seed"])
-            if key in out:
-                raise UserError(f"{name} holds (prompt, seed) {key} twice; regenerate it.")
-            out[key] = r
-        return out
-
-    b, a = index(before, before_name), index(after, after_name)
-    only_b, only_a = [k for k in b if k not in a], [k for k in a if k not in b]
-    if only_b or only_a:
-        example = (only_b or only_a)[0]
-        raise UserError(f"{before_name} and {after_name} hold different (prompt, seed) pairs ({len(only_b)} only in "
-                        f"the first, {len(only_a)} only in the second, e.g. {example}); generate both with the same "
-                        "--prompts_file, --seed and --num_images_per_prompt.")
-    return [(b[k], a[k]) for k in b]
-
-
-def _same_path(value):
-    """A setting as compared between runs: two spellings of one existing folder are the same model."""
-    return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
-
-
-def compare_runs(before: dict, after: dict, before_name: str = "before", after_name: str = "after",
-                 num_resamples: int = 10_000, seed: int = 0) -> dict:
-    """Paired statistics of two runs' ImageReward scores: means, per-prompt deltas, win rate, bootstrap CI."""
-    pairs = match_pairs(before, after, before_name, after_name)
-    result: dict = {"count": len(pairs)}
-    settings = [{k: _same_path(run.get("config", {}).get(k)) for k in GENERATION_SETTINGS} for run in (before, after)]
-    differ = {k: [settings[0][k], settings[1][k]] for k in GENERATION_SETTINGS if settings[0][k] != settings[1][k]}
-    if differ:
-        result["settings_differ"] = differ
-    errors = [f"{name}: {run['score_error']}" for name, run in ((before_name, before), (after_name, after))
-              if run.get("score_error")]
-    missing = any(b.get(SCORE_KEY) is None or a.get(SCORE_KEY) is None for b, a in pairs)
-    result["pairs"] = [{"prompt": b["prompt"], "seed": b["seed"], "before_file": b["file"], "after_file": a["file"],
-                        "before": b.get(SCORE_KEY), "after": a.get(SCORE_KEY),
-                        "delta": None if missing else a[SCORE_KEY] - b[SCORE_KEY]} for b, a in pairs]
-    if missing:
-        result["score_error"] = "; ".join(errors) or "some images have no score"
-        return result
-
-    before_scores = [b[SCORE_KEY] for b, _ in pairs]
-    after_scores = [a[SCORE_KEY] for _, a in pairs]
-    deltas = [a - b for b, a in zip(before_scores, after_scores)]
-    wins, ties = sum(d > 0 for d in deltas), sum(d == 0 for d in deltas)
-    per_prompt: dict[str, list[tuple[float, float]]] = {}  # prompt -> [(before, after)] over its seeds
-    for (rb, _), b, a in zip(pairs, before_scores, after_scores):
-        per_prompt.setdefault(rb["prompt"], []).append((b, a))
-    lo, hi = paired_bootstrap_ci(deltas, num_resamples, seed)
-    result.update({
-        "mean_before": sum(before_scores) / len(pairs),
-        "mean_after": sum(after_scores) / len(pairs),
-        "mean_difference": sum(deltas) / len(pairs),
-        "bootstrap_ci95": [lo, hi],
-        "num_bootstrap": num_resamples,
-        "bootstrap_seed": seed,
-        "win_rate": (wins + 0.5 * ties) / len(pairs),  # ties count half
-        "wins": wins, "ties": ties, "losses": len(pairs) - wins - ties,
-        "per_prompt": [{"prompt": p, "n": len(v), "before_mean": sum(b for b, _ in v) / len(v),
-                        "after_mean": sum(a for _, a in v) / len(v),
-                        "delta": sum(a - b for b, a in v) / len(v)} for p, v in per_prompt.items()],
-    })
-    return result
-
-
-def format_comparison(result: dict, before_name: str, after_name: str) -> str:
-    """The printed table: one row per prompt, then the paired summary."""
-    lines = []
-    for key, (b, a) in result.get("settings_differ", {}).items():
-        lines.append(f"note: the runs differ in {key}: {b!r} vs {a!r}")
-    if "mean_difference" not in result:
-        lines.append(f"{result['count']} pairs matched; no comparison of scores ({result['score_error']})")
-        return "\n".join(lines)
-    width = min(60, max(len("prompt"), *(len(r["prompt"]) for r in result["per_prompt"])))
-    lines.append(f"{'prompt':<{width}}  {'n':>3}  {'before':>8}  {'after':>8}  {'delta':>8}")
-    for r in result["per_prompt"]:
-        prompt = r["prompt"] if len(r["prompt"]) <= width else r["prompt"][: width - 3] + "..."
-        lines.append(f"{prompt:<{width}}  {r['n']:>3}  {r['before_mean']:>8.3f}  {r['after_mean']:>8.3f}  "
-                     f"{r['delta']:>+8.3f}")
-    lo, hi = result["bootstrap_ci95"]
-    lines.append(f"mean ImageReward: {before_name} {result['mean_before']:.3f}, {after_name} "
-                 f"{result['mean_after']:.3f}, difference {result['mean_difference']:+.3f} "
-                 f"(95% paired bootstrap CI [{lo:+.3f}, {hi:+.3f}], {result['num_bootstrap']} resamples)")
-    lines.append(f"{after_name} beats {before_name} in {result['win_rate']:.1%} of {result['count']} pairs "
-                 f"({result['wins']} wins, {result['ties']} ties, {result['losses']} losses)")
-    return "\n".join(lines)
-
-
-def run_compare(before_dir: str, after_dir: str, out_dir: str | None = None, num_resamples: int = 10_000,
-                seed: int = 0, max_pairs: int = 32) -> dict:
-    """compare.png (before | after per prompt and seed, score under each) and compare.json for two run folders."""
-    from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
-
-    from refl_ddpo.training import caption_grid, check_output_dir
-
-    if num_resamples <= 0:
-        raise UserError(f"--num_bootstrap must be > 0 (got {num_resamples}).")
-    if max_pairs < 0:
-        raise UserError(f"--max_pairs must be >= 0 (got {max_pairs}); 0 writes no compare.png.")
-    before, after = load_run(before_dir), load_run(after_dir)
-    result = {"before_dir": str(before_dir), "after_dir": str(after_dir),
-              **compare_runs(before, after, str(before_dir), str(after_dir), num_resamples, seed)}
-    for run_dir, key in ((before_dir, "before_file"), (after_dir, "after_file")):
-        for pair in result["pairs"]:
-            if not (Path(run_dir) / pair[key]).is_file():
-                raise UserError(f"{Path(run_dir) / pair[key]} is listed in {SCORES_FILE} but missing; run it again.")
-    out = check_output_dir(out_dir or str(Path(after_dir).resolve().parent / "compare"))
-    (out / COMPARE_JSON).unlink(missing_ok=True)
-
-    shown = result["pairs"][:max_pairs]
-    if shown:
-        cells, captions = [], []
-        for pair in shown:
-            for side, run_dir in (("before", before_dir), ("after", after_dir)):
-                with Image.open(Path(run_dir) / pair[f"{side}_file"]) as im:
-                    cells.append(pil_to_tensor(im.convert("RGB")).float() / 255)  # (3, H, W); sizes may differ
-                captions.append(f"{side} {_fmt(pair[side])} s{pair['seed']} {pair['prompt']}")
-        grid = caption_grid(cells, captions, cols=2)  # every cell is resized to the same side
-        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out / COMPARE_PNG)
-    write_json_atomic(out / COMPARE_JSON, result)
-    print(format_comparison(result, "before", "after"), flush=True)
-    print(f"wrote {out / COMPARE_PNG if shown else '(no image)'} and {out / COMPARE_JSON}", flush=True)
-    return result
-
+@cli_main
+def main_lora(argv: list[str] | None = None) -> None:
+    """Entry point of inference/inference_lora.py (and the refl-ddpo-inference-lora command)."""
+    run_inference(parse_config(LoraInferenceConfig, argv, description=LoraInferenceConfig.__doc__))

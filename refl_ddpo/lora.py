@@ -7,6 +7,7 @@ Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -143,3 +144,16 @@ def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
 def read_saved_config(lora_dir: str | Path) -> dict:
     path = Path(lora_dir) / CONFIG_NAME
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@contextlib.contextmanager
+def adapters_off(network):
+    """The base model: the same network with its LoRA adapter switched off, under no grad (diffusers'
+    `disable_adapters` / `enable_adapters`: `add_adapter` leaves no peft `PeftModel` whose `disable_adapter()` we
+    could use). `enable_adapters` makes the LoRA weights trainable again on the way out."""
+    with torch.no_grad():
+        network.disable_adapters()
+        try:
+            yield network
+        finally:
+            network.enable_adapters()

@@ -1,23 +1,25 @@
-"""Loading Stable Diffusion from a local diffusers folder or a hub id, with one-line errors when it is not there."""
+"""Loading a diffusers pipeline from a local folder or a hub id, with one-line errors when it is not there."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-import torch
-
 from refl_ddpo.errors import UserError
 
-DTYPES = {"no": torch.float32, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {"no": "float32", "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+          "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 WHERE_WEIGHTS_GO = "put the diffusers folder there or pass a hub id (see checkpoint/README.md)"
+OFFLINE_HINT = "without network access, download it into checkpoint/ first (see checkpoint/README.md)"
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str):
+    import torch
+
     try:
-        return DTYPES[name]
+        return getattr(torch, DTYPES[name])
     except KeyError:
         raise UserError(f"unknown dtype '{name}'; use one of no, fp16, bf16.") from None
 
@@ -37,23 +39,43 @@ def check_pretrained_model(name: str) -> None:
             raise UserError(f"--pretrained_model {name} {what}: {WHERE_WEIGHTS_GO}.")
 
 
-def load_pipeline(name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-    """`StableDiffusionPipeline` from a local folder or hub id, no safety checker, frozen, in `dtype` on `device`."""
-    from diffusers import StableDiffusionPipeline
+def _load_error(name: str, e: Exception) -> UserError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = WHERE_WEIGHTS_GO if looks_local(name) else OFFLINE_HINT
+    return UserError(f"--pretrained_model {name} could not be loaded ({first}); {hint}.")
 
+
+def pipeline_class_name(name: str) -> str:
+    """model_index.json's `_class_name` of a local folder or hub id (which selects the model family)."""
     check_pretrained_model(name)
+    if looks_local(name):
+        index = json.loads((Path(name).expanduser() / "model_index.json").read_text())
+    else:
+        from diffusers import DiffusionPipeline
+
+        try:
+            index = DiffusionPipeline.load_config(name)
+        except (OSError, ValueError) as e:  # hub id unreachable / unknown
+            raise _load_error(name, e) from None
+    return str(index.get("_class_name", ""))
+
+
+def load_pipeline(name: str, dtype=None, device="cpu", pipeline_class: str | None = None):
+    """The pipeline of `name` (its model_index.json class unless given), no safety checker, every module frozen and
+    in eval mode, in `dtype` (float32 by default) on `device`."""
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, pipeline_class or pipeline_class_name(name))
+    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False} \
+        if cls.__name__ == "StableDiffusionPipeline" else {}
     try:
-        pipe = StableDiffusionPipeline.from_pretrained(
-            os.path.expanduser(name), dtype=dtype, safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        pipe = cls.from_pretrained(os.path.expanduser(name), dtype=dtype or torch.float32, **extra)
     except (OSError, ValueError) as e:  # hub id unreachable / unknown, or a broken folder
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = WHERE_WEIGHTS_GO if looks_local(name) else (
-            "without network access, download it into checkpoint/ first (see checkpoint/README.md)")
-        raise UserError(f"--pretrained_model {name} could not be loaded ({first}); {hint}.") from None
+        raise _load_error(name, e) from None
     pipe.set_progress_bar_config(disable=True)
-    for module in (pipe.unet, pipe.vae, pipe.text_encoder):
-        module.requires_grad_(False)
-        module.eval()
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.requires_grad_(False)
+            module.eval()
     return pipe.to(device)

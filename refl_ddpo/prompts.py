@@ -77,6 +77,15 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
 }
 
 
+def resolve_prompts(name_or_path: str | None) -> list[tuple[str, dict]]:
+    """[(prompt, metadata)] from a file, or from a list shipped in DATA_DIR by its source name."""
+    if not name_or_path:
+        raise UserError("--prompts_file is empty: pass a prompts file or a shipped list name (refl_prompts).")
+    if name_or_path in PROMPT_SOURCES and not Path(name_or_path).exists():
+        return load_prompts(DATA_DIR / f"{name_or_path}.txt")
+    return load_prompts(name_or_path)
+
+
 def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
     """A registered source by name (`imagenet_animals`, ...) or `from_file` for a path."""
     if name_or_path in PROMPT_SOURCES:

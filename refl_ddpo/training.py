@@ -1,4 +1,5 @@
-"""What both trainers share around their loops: accelerator, trainable UNet, optimizer, checkpoints, logging."""
+"""What every trainer shares around its loop: the main/preflight shape, the accelerator, the trainable model family,
+the optimizer, seeded random streams, checkpoints, weight digests, trackers and logging."""
 
 from __future__ import annotations
 
@@ -12,10 +13,71 @@ import torch
 
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.errors import UserError
+from refl_ddpo.images import caption_grid
 from refl_ddpo.lora import FULL_UNET_DIR, add_lora, load_lora_into_unet, save_lora, trainable_full_unet
+
+PREFLIGHT_ENV = "REFL_DDPO_PREFLIGHT"  # launch.sh: run the checks only, once, before starting several processes
 
 TRAIN_STATE_JSON = "train_state.json"  # our own counters, JSON
 TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and tensors (no pickle)
+
+
+# ---- the main / preflight shape ----
+
+
+def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
+    """Run `train_fn(cfg)`; with REFL_DDPO_PREFLIGHT set (launch.sh, before starting several processes) run only
+    `preflight_fn(cfg)`, the checks that need no model. Every process hits the same user error: only rank 0 says it.
+    """
+    import sys
+
+    try:
+        if os.environ.get(PREFLIGHT_ENV):
+            preflight_fn(cfg)
+            return
+        train_fn(cfg)
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) > 0:
+            sys.exit(e.exit_code)
+        raise
+
+
+# ---- seeded random streams and weight digests ----
+
+
+def stream_seed(seed: int, *stream: int) -> int:
+    """A 32-bit seed for (seed, stream...), e.g. (seed, epoch, process, purpose), independent of the others."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, *stream]).generate_state(1)[0])
+
+
+def seeded_generator(seed: int, *stream: int) -> torch.Generator:
+    """A CPU generator for (seed, stream...), independent of the other streams."""
+    import numpy as np
+
+    state = np.random.SeedSequence([seed, *stream]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def weights_digest(params: list[torch.nn.Parameter]) -> str:
+    """SHA-256 over the bytes of the trainable tensors, in order (equal digests = bit-identical weights)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_identical_weights(accelerator, params: list[torch.nn.Parameter]) -> None:
+    """Ranks must hold the same weights (DDP averages the gradients): compare digests, a cheap exact check."""
+    from accelerate.utils import gather_object
+
+    digests = gather_object([weights_digest(params)])
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"processes diverged: weight digests {digests}")
+    accelerator.print(f"weights identical on all {len(digests)} process(es) (sha256 {digests[0][:16]})")
 
 
 # ---- checks before anything is loaded ----
@@ -83,15 +145,40 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def make_trainable(unet, cfg: CommonConfig) -> list[torch.nn.Parameter]:
-    """LoRA adapters (or the whole UNet) trainable in fp32; gradient checkpointing if asked."""
+def make_trainable(network, cfg: CommonConfig) -> list[torch.nn.Parameter]:
+    """LoRA adapters (or the whole network) trainable in fp32; gradient checkpointing if asked."""
     if cfg.use_lora:
-        params = add_lora(unet, cfg.lora_rank, cfg.resolved_lora_alpha, cfg.lora_target_modules, cfg.lora_init)
+        params = add_lora(network, cfg.lora_rank, cfg.resolved_lora_alpha, cfg.lora_target_modules, cfg.lora_init)
     else:
-        params = trainable_full_unet(unet)
+        params = trainable_full_unet(network)
     if cfg.gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        network.enable_gradient_checkpointing()
     return params
+
+
+def load_trainable_family(accelerator, cfg: CommonConfig):
+    """(family, trainable params, weight dtype): the model in the mixed-precision dtype on the accelerator's device,
+    `cfg.resolution` resolved to the model's native one where unset (and checked), LoRA (or all) trainable, and
+    accelerate's save/load hooks registered for the network."""
+    from refl_ddpo.families import load_family
+
+    dtype = weight_dtype(accelerator)
+    family = load_family(cfg.pretrained_model, dtype, accelerator.device)
+    if cfg.resolution is None:
+        cfg.resolution = family.native_resolution
+    if cfg.resolution % family.vae_scale_factor:
+        raise UserError(f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
+                        f"{family.vae_scale_factor}.")
+    params = make_trainable(family.network, cfg)
+    register_network_hooks(accelerator, family.network)
+    return family, params, dtype
+
+
+def start_trackers(accelerator, cfg: CommonConfig, project: str) -> None:
+    """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only)."""
+    if cfg.report_to != "none":
+        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()}
+        accelerator.init_trackers(project, config=hparams)
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch.optim.Optimizer:
@@ -107,8 +194,8 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch
                weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
 
 
-def register_unet_hooks(accelerator, unet) -> None:
-    """accelerate save/load_state keep only the LoRA (diffusers format) or the full UNet, not a pickled model."""
+def register_network_hooks(accelerator, network) -> None:
+    """accelerate save/load_state keep only the LoRA (diffusers format) or the full network, not a pickled model."""
 
     def save_hook(models, weights, output_dir):
         if accelerator.is_main_process:
@@ -122,11 +209,10 @@ def register_unet_hooks(accelerator, unet) -> None:
             if getattr(model, "peft_config", None):
                 load_lora_into_unet(model, input_dir)
             else:
-                from diffusers import UNet2DConditionModel
-
-                loaded = UNet2DConditionModel.from_pretrained(Path(input_dir) / FULL_UNET_DIR)
+                loaded = type(model).from_pretrained(Path(input_dir) / FULL_UNET_DIR)
                 model.load_state_dict(loaded.state_dict())
 
+    del network  # the hooks act on the models accelerate hands them
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
 
@@ -171,11 +257,15 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     return counters, tensors
 
 
-def save_final(accelerator, unet, cfg: CommonConfig) -> None:
-    """The final LoRA (diffusers format) and the resolved config at the top of output_dir."""
+def save_final(accelerator, network, cfg: CommonConfig) -> None:
+    """The final LoRA (diffusers format) and the resolved config at the top of output_dir. A local base model is
+    recorded by its absolute path, so that inference_lora.py finds it from any working directory."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_lora(accelerator.unwrap_model(unet), cfg.output_dir, config=cfg.to_dict())
+        config = cfg.to_dict()
+        if os.path.exists(cfg.pretrained_model):
+            config["pretrained_model"] = os.path.abspath(cfg.pretrained_model)
+        save_lora(accelerator.unwrap_model(network), cfg.output_dir, config=config)
         print(f"saved final weights and config.json to {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()
 
@@ -191,26 +281,6 @@ def log_image_grid(accelerator, tag: str, images: torch.Tensor, captions: list[s
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
             tracker.writer.add_image(tag, grid, step)
-
-
-def caption_grid(images: torch.Tensor, captions: list[str], cell: int = 256, cols: int = 4) -> torch.Tensor:
-    """(3, H, W) uint8 grid: each image resized to `cell` px with its caption drawn under it."""
-    from PIL import Image, ImageDraw
-    from torchvision.transforms.functional import pil_to_tensor, to_pil_image
-
-    n = len(images)
-    cols = min(cols, n)
-    rows = (n + cols - 1) // cols
-    text_h = 28
-    canvas = Image.new("RGB", (cols * cell, rows * (cell + text_h)), "white")
-    draw = ImageDraw.Draw(canvas)
-    for i, (img, cap) in enumerate(zip(images, captions)):
-        x, y = (i % cols) * cell, (i // cols) * (cell + text_h)
-        canvas.paste(to_pil_image(img.detach().float().clamp(0, 1).cpu()).resize((cell, cell)), (x, y))
-        draw.text((x + 4, y + cell + 2), cap[:48], fill="black")
-        if len(cap) > 48:
-            draw.text((x + 4, y + cell + 14), cap[48:96], fill="black")
-    return pil_to_tensor(canvas)
 
 
 def print_config(cfg: CommonConfig, extra: dict | None = None) -> None:

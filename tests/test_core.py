@@ -9,23 +9,25 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 
 from refl_ddpo.errors import UserError
+from refl_ddpo.families import load_family
+from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.lora import add_lora, save_lora
 from refl_ddpo.models import load_pipeline
-from refl_ddpo.sampling import decode_latents, denoise, encode_prompts, initial_noise
+from refl_ddpo.sampling import denoise
 
 PROMPTS = ["a photo of a cat", "a red bird"]
 RES = 32
 
 
 def _ours(pipe, scheduler_cls, seed, guidance_scale, steps=6, eta=0.0):
+    family = StableDiffusion(pipe)
     scheduler = scheduler_cls.from_config(pipe.scheduler.config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        prompt_embeds, negative = encode_prompts(pipe, PROMPTS, "cpu", with_negative=guidance_scale > 1)
-        noise = initial_noise(len(PROMPTS), pipe.unet, RES, pipe.vae_scale_factor, g, "cpu", prompt_embeds.dtype)
-        out = denoise(pipe.unet, scheduler, prompt_embeds, negative, noise, steps, guidance_scale, eta=eta,
-                      generator=g)
-        return decode_latents(pipe.vae, out.latents)
+        cond, uncond = family.encode_prompts(PROMPTS, with_negative=guidance_scale > 1)
+        noise = family.initial_noise(len(PROMPTS), RES, g, cond["prompt_embeds"].dtype)
+        out = denoise(family, scheduler, cond, uncond, noise, steps, guidance_scale, eta=eta, generator=g)
+        return family.decode(out.latents)
 
 
 @pytest.mark.parametrize("scheduler_cls", [DDIMScheduler, DDPMScheduler])
@@ -42,13 +44,12 @@ def test_loop_reproduces_stock_pipeline(tiny_sd, scheduler_cls, guidance_scale):
 
 
 def test_grad_only_on_chosen_step(tiny_sd):
-    pipe = load_pipeline(str(tiny_sd))
-    params = add_lora(pipe.unet, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
-    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-    prompt_embeds, _ = encode_prompts(pipe, PROMPTS, "cpu", with_negative=False)
-    noise = initial_noise(2, pipe.unet, RES, pipe.vae_scale_factor, torch.Generator().manual_seed(0), "cpu",
-                          torch.float32)
-    out = denoise(pipe.unet, scheduler, prompt_embeds, None, noise, 10, 1.0, grad_steps={7}, stop_at=7,
+    family = load_family(str(tiny_sd))
+    params = add_lora(family.network, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
+    scheduler = family.scheduler("DDPMScheduler")
+    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
+    noise = family.initial_noise(2, RES, torch.Generator().manual_seed(0), torch.float32)
+    out = denoise(family, scheduler, cond, None, noise, 10, 1.0, grad_steps={7}, stop_at=7,
                   keep_trajectory=True, generator=torch.Generator().manual_seed(1))
     assert len(out.timesteps) == 8 and len(out.all_latents) == 9
     assert not any(x.requires_grad for x in out.all_latents[:-1])  # steps 0..6 ran without autograd
@@ -58,19 +59,19 @@ def test_grad_only_on_chosen_step(tiny_sd):
 
 
 def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path):
-    pipe = load_pipeline(str(tiny_sd))
+    family = load_family(str(tiny_sd))
+    pipe = family.pipe
     params = add_lora(pipe.unet, 4, 8, ["to_q", "to_k", "to_v", "to_out.0"], init="gaussian")
     assert all(p.dtype == torch.float32 and p.requires_grad for p in params)
     base_before = {n: p.detach().clone() for n, p in pipe.unet.named_parameters() if "lora_" not in n}
     lora_before = [p.detach().clone() for p in params]
     # one step on a toy differentiable loss through the whole chain
-    prompt_embeds, _ = encode_prompts(pipe, PROMPTS, "cpu", with_negative=False)
-    noise = initial_noise(2, pipe.unet, RES, pipe.vae_scale_factor, torch.Generator().manual_seed(0), "cpu",
-                          torch.float32)
+    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
+    noise = family.initial_noise(2, RES, torch.Generator().manual_seed(0), torch.float32)
     opt = torch.optim.AdamW(params, lr=1e-2)
-    out = denoise(pipe.unet, DDIMScheduler.from_config(pipe.scheduler.config), prompt_embeds, None, noise, 4, 1.0,
+    out = denoise(family, DDIMScheduler.from_config(pipe.scheduler.config), cond, None, noise, 4, 1.0,
                   grad_steps={3}, stop_at=3)
-    decode_latents(pipe.vae, out.pred_original_sample).mean().backward()
+    family.decode(out.pred_original_sample).mean().backward()
     opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(lora_before, params)), "every LoRA tensor moves"
     for n, p in pipe.unet.named_parameters():

@@ -19,24 +19,14 @@ from safetensors.torch import load_file
 
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.models import load_pipeline
+from refl_ddpo.algorithms.policy import PerPromptStatTracker, batch_advantages, compute_advantages, ppo_clip_loss
+from refl_ddpo.families import load_family
+from refl_ddpo.families.base import cond_expand
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.sampling import encode_prompts
+from refl_ddpo.steps.ddim import ddim_step_kl
 from refl_ddpo.trainers import ddpo
-from refl_ddpo.trainers.ddpo import (
-    DDPOConfig,
-    PerPromptStatTracker,
-    batch_advantages,
-    compute_advantages,
-    ddim_step_kl,
-    parse_ddpo_config,
-    ppo_clip_loss,
-    sample_epoch,
-    shuffle_samples,
-    stack_samples,
-    step_log_prob,
-    train_on_samples,
-)
+from refl_ddpo.trainers.ddpo import sample_epoch, shuffle_samples, stack_samples, step_log_prob, train_on_samples
+from refl_ddpo.trainers.ddpo_config import DDPOConfig, num_train_timesteps, parse_ddpo_config
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_ddpo.sh"
@@ -165,11 +155,11 @@ def test_shuffle_keeps_each_samples_steps_together():
 def _policy(tiny_sd):
     """Tiny pipeline, DDIM, LoRA with random A and B (so the adapter changes the output from step 0)."""
     torch.manual_seed(0)
-    pipe = load_pipeline(str(tiny_sd))
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    params = add_lora(pipe.unet, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
-    negative, _ = encode_prompts(pipe, [""], "cpu", with_negative=False)
-    return pipe, params, negative
+    family = load_family(str(tiny_sd))
+    family.pipe.scheduler = DDIMScheduler.from_config(family.pipe.scheduler.config)
+    params = add_lora(family.network, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
+    negative, _ = family.encode_prompts([""], with_negative=False)
+    return family, params, negative
 
 
 def _cfg(**kw) -> DDPOConfig:
@@ -185,36 +175,30 @@ def _cfg(**kw) -> DDPOConfig:
     return DDPOConfig(**{**base, **kw})
 
 
-def _sample(pipe, negative, cfg, seed=0):
+def _sample(family, negative, cfg, seed=0):
     prompts = iter(["a cat", "a dog", "a red bird", "a fish"] * 4)
     reward = build_reward("jpeg_compressibility", "cpu")
-    batches = sample_epoch(
-        pipe,
-        pipe.unet,
-        pipe.scheduler,
-        lambda: (next(prompts), {}),
-        reward,
-        negative,
-        cfg,
-        torch.Generator().manual_seed(seed),
-        torch.device("cpu"),
+    return sample_epoch(
+        family, family.pipe.scheduler, lambda: (next(prompts), {}), reward, negative,
+        batch_size=cfg.sample_batch_size, num_batches=cfg.sample_num_batches_per_epoch, num_steps=cfg.sample_num_steps,
+        guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, resolution=cfg.resolution,
+        generator=torch.Generator().manual_seed(seed),
     )
-    return batches
 
 
-def _log_probs(pipe, negative, samples, cfg) -> torch.Tensor:
+def _log_probs(family, negative, samples, cfg) -> torch.Tensor:
     """(N, S) log-probs of the stored steps under the current UNet, with CFG (negative None: without)."""
-    negative = None if negative is None else negative.expand(len(samples["latents"]), -1, -1)
+    negative = None if negative is None else cond_expand(negative, len(samples["latents"]))
     with torch.no_grad():
         return torch.stack(
             [
                 step_log_prob(
-                    pipe.unet,
-                    pipe.scheduler,
+                    family,
+                    family.pipe.scheduler,
                     samples["latents"][:, j],
                     samples["timesteps"][:, j],
                     samples["next_latents"][:, j],
-                    samples["prompt_embeds"],
+                    {"prompt_embeds": samples["prompt_embeds"]},
                     negative,
                     cfg.sample_guidance_scale,
                     cfg.sample_eta,
@@ -223,6 +207,15 @@ def _log_probs(pipe, negative, samples, cfg) -> torch.Tensor:
             ],
             dim=1,
         )
+
+
+def _train(family, samples, negative, cfg, accelerator, optimizer, params, generator):
+    return train_on_samples(
+        family, family.network, family.pipe.scheduler, samples, negative, accelerator, optimizer, params, generator,
+        num_steps=cfg.sample_num_steps, batch_size=cfg.train_batch_size, num_train_steps=num_train_timesteps(cfg),
+        guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, clip_range=cfg.train_clip_range,
+        kl_weight=cfg.kl_weight, max_grad_norm=cfg.max_grad_norm,
+    )
 
 
 @torch.no_grad()
@@ -253,7 +246,7 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
     rewards = torch.cat([b.rewards[0] for b in batches])
     advantages = batch_advantages(rewards).float()
     initial = [p.detach().clone() for p in params]
-    base = {n: p.detach().clone() for n, p in pipe.unet.named_parameters() if "lora_" not in n}
+    base = {n: p.detach().clone() for n, p in pipe.network.named_parameters() if "lora_" not in n}
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.sample_num_steps)
     for sign in (1.0, -1.0):
         with torch.no_grad():
@@ -265,17 +258,7 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
         optimizer = accelerator.prepare_optimizer(
             torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
         )
-        steps = train_on_samples(
-            pipe.unet,
-            pipe.scheduler,
-            samples,
-            negative,
-            cfg,
-            accelerator,
-            optimizer,
-            params,
-            torch.Generator().manual_seed(0),
-        )
+        steps = _train(pipe, samples, negative, cfg, accelerator, optimizer, params, torch.Generator().manual_seed(0))
         assert len(steps) == 2 and steps[0]["approx_kl"] < 1e-10, (
             steps
         )  # 4 samples / micro-batch 2; on-policy
@@ -283,7 +266,7 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
             (samples["advantages"][:, None] * (_log_probs(pipe, negative, samples, cfg) - old)).sum().item()
         )
         assert gain > 0, (sign, gain)
-    assert all(torch.equal(p, base[n]) for n, p in pipe.unet.named_parameters() if "lora_" not in n)
+    assert all(torch.equal(p, base[n]) for n, p in pipe.network.named_parameters() if "lora_" not in n)
 
 
 def test_kl_weight_adds_the_step_kl_to_the_base_model(tiny_sd):
@@ -293,26 +276,18 @@ def test_kl_weight_adds_the_step_kl_to_the_base_model(tiny_sd):
     )  # int(3 * 0.5) = 1 step trained
     samples = stack_samples(_sample(pipe, negative, cfg), torch.zeros(4))
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
-    steps = train_on_samples(
-        pipe.unet,
-        pipe.scheduler,
-        samples,
-        negative,
-        cfg,
-        accelerator,
-        accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)),
-        params,
-        torch.Generator().manual_seed(0),
-    )
+    steps = _train(pipe, samples, negative, cfg, accelerator,
+                   accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)), params,
+                   torch.Generator().manual_seed(0))
     # zero advantages: the loss is the KL alone, > 0 as the random LoRA moved the policy off the base model
     assert len(steps) == 2 and all(s["kl"] > 0 and abs(s["loss"] - s["kl"]) < 1e-6 for s in steps), steps
     # the adapters are on again after the reference forward: the UNet's output is not the base model's
     x, t, emb = samples["latents"][:2, 0], samples["timesteps"][:2, 0], samples["prompt_embeds"][:2]
     with torch.no_grad():
-        eps = pipe.unet(x, t, encoder_hidden_states=emb).sample
-        pipe.unet.disable_adapters()
-        eps_base = pipe.unet(x, t, encoder_hidden_states=emb).sample
-        pipe.unet.enable_adapters()
+        eps = pipe.network(x, t, encoder_hidden_states=emb).sample
+        pipe.network.disable_adapters()
+        eps_base = pipe.network(x, t, encoder_hidden_states=emb).sample
+        pipe.network.enable_adapters()
     assert (eps - eps_base).abs().max().item() > 1e-4
 
 

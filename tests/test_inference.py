@@ -12,9 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo import generate
+from refl_ddpo import compare, generate
 from refl_ddpo.config import parse_config
-from refl_ddpo.generate import LoraInferenceConfig, compare_runs, generate_batch, paired_bootstrap_ci
+from refl_ddpo.compare import compare_runs, paired_bootstrap_ci
+from refl_ddpo.families.sd import StableDiffusion
+from refl_ddpo.generate import LoraInferenceConfig, generate_batch
 from refl_ddpo.lora import add_lora, save_lora
 from refl_ddpo.models import load_pipeline
 
@@ -168,7 +170,7 @@ def test_compare_script(runs, tmp_path):
     with Image.open(out / "compare.png") as im:
         assert im.width > im.height / len(before)  # two columns: before | after
     # default --out: beside the second run (in-process: the script above already covered the entry point)
-    generate.run_compare(runs["base"], runs["zero"])
+    compare.run_compare(runs["base"], runs["zero"])
     same = json.loads((runs["zero"].parent / "compare" / "compare.json").read_text())
     assert same["mean_difference"] == 0 and same["ties"] == same["count"] and same["bootstrap_ci95"] == [0, 0]
 
@@ -211,7 +213,9 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(generate, "load_pipeline", refuse)
+    import refl_ddpo.models
+
+    monkeypatch.setattr(refl_ddpo.models, "load_pipeline", refuse)
 
 
 @pytest.mark.parametrize("case", ["missing_lora_dir", "empty_prompts", "zero_images", "missing_base",
@@ -264,15 +268,16 @@ def test_generation_keeps_no_autograd_graph_and_is_batch_independent(tiny_sd):
     from diffusers import DDIMScheduler
 
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    images = generate_batch(pipe, PROMPTS, [3, 4], 32, 3, 7.5)
+    family = StableDiffusion(pipe)
+    images = generate_batch(family, PROMPTS, [3, 4], 32, 3, 7.5)
     assert images.shape == (2, 3, 32, 32) and images.grad_fn is None and not images.requires_grad
     assert seen == [False] * 4  # 3 UNet steps + 1 decode, none with grad
     # each image from its own seed: the same noise whatever the batch (equal up to batched-kernel rounding)
-    alone = torch.cat([generate_batch(pipe, [p], [s], 32, 3, 7.5) for p, s in zip(PROMPTS, [3, 4])])
+    alone = torch.cat([generate_batch(family, [p], [s], 32, 3, 7.5) for p, s in zip(PROMPTS, [3, 4])])
     torch.testing.assert_close(images, alone, atol=1e-4, rtol=0)
     # stochastic DDIM (eta 1) draws its step noise from the same per-image generators
-    noisy = generate_batch(pipe, PROMPTS, [3, 4], 32, 3, 7.5, eta=1.0)
-    noisy_alone = torch.cat([generate_batch(pipe, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4])])
+    noisy = generate_batch(family, PROMPTS, [3, 4], 32, 3, 7.5, eta=1.0)
+    noisy_alone = torch.cat([generate_batch(family, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4])])
     torch.testing.assert_close(noisy, noisy_alone, atol=1e-4, rtol=0)
     assert (noisy - images).abs().max() > 1e-2
 
@@ -349,10 +354,10 @@ def test_paired_bootstrap_interval():
     assert paired_bootstrap_ci([0.25] * 5, 100) == (0.25, 0.25)
 
 
-@pytest.mark.parametrize("scheduler", sorted(generate.SCHEDULERS))
+@pytest.mark.parametrize("scheduler", sorted(StableDiffusion.schedulers))
 def test_every_scheduler_choice_runs(scheduler, tiny_sd, tmp_path):
     cfg = _config(tiny_sd, tmp_path / "unused.txt", tmp_path / "out", "--scheduler", scheduler)
-    pipe = generate.load_inference_pipeline(cfg)
-    assert type(pipe.scheduler).__name__ == generate.SCHEDULERS[scheduler]
-    a, b = (generate_batch(pipe, PROMPTS[:1], [5], 32, 2, 7.5) for _ in range(2))
+    family = generate.load_inference_family(cfg)
+    assert type(family.pipe.scheduler).__name__ == StableDiffusion.schedulers[scheduler]
+    a, b = (generate_batch(family, PROMPTS[:1], [5], 32, 2, 7.5) for _ in range(2))
     assert a.shape == (1, 3, 32, 32) and torch.isfinite(a).all() and torch.equal(a, b)

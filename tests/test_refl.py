@@ -14,13 +14,13 @@ from diffusers import DDPMScheduler, StableDiffusionPipeline
 from safetensors.torch import load_file
 
 from refl_ddpo.config import parse_config
+from refl_ddpo.families import load_family
+from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.models import load_pipeline
 from refl_ddpo.prompts import DATA_DIR, load_prompts
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.sampling import decode_latents, denoise, encode_prompts, initial_noise
+from refl_ddpo.sampling import denoise
 from refl_ddpo.trainers import refl
-from refl_ddpo.sampling import guided_noise_pred
 from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward, kl_to_base, refl_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,13 +45,12 @@ def _cfg(tiny_models, **kw) -> ReFLConfig:
 
 
 def _refl_inputs(tiny_models, lora_init: str):
-    pipe = load_pipeline(str(tiny_models / "stable-diffusion"))
-    params = add_lora(pipe.unet, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init=lora_init)
-    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-    prompt_embeds, _ = encode_prompts(pipe, PROMPTS, "cpu", with_negative=False)
-    noise = initial_noise(len(PROMPTS), pipe.unet, RES, pipe.vae_scale_factor, torch.Generator().manual_seed(0),
-                          "cpu", torch.float32)
-    return pipe, params, scheduler, prompt_embeds, noise
+    family = load_family(str(tiny_models / "stable-diffusion"))
+    params = add_lora(family.network, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init=lora_init)
+    scheduler = DDPMScheduler.from_config(family.pipe.scheduler.config)
+    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
+    noise = family.initial_noise(len(PROMPTS), RES, torch.Generator().manual_seed(0), torch.float32)
+    return family, params, scheduler, cond, noise
 
 
 # ---- units: the gradient path and the KL term ----
@@ -59,7 +58,8 @@ def _refl_inputs(tiny_models, lora_init: str):
 
 def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(tiny_models):
     # 'random' init: with peft's default zero B the gradient of every A would be exactly zero at step 0
-    pipe, params, scheduler, prompt_embeds, noise = _refl_inputs(tiny_models, "random")
+    family, params, scheduler, cond, noise = _refl_inputs(tiny_models, "random")
+    pipe = family.pipe
     reward = build_refl_reward(_cfg(tiny_models), torch.device("cpu"), torch.float32)
     frozen = {f"unet.{n}": p for n, p in pipe.unet.named_parameters() if "lora_" not in n}
     frozen.update({f"vae.{n}": p for n, p in pipe.vae.named_parameters()})
@@ -67,7 +67,7 @@ def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(ti
     before = {n: p.detach().clone() for n, p in frozen.items()}
     lora_before = [p.detach().clone() for p in params]
 
-    out = refl_step(pipe.unet, pipe.vae, scheduler, reward, prompt_embeds, None, PROMPTS, [{}, {}], noise, 6,
+    out = refl_step(family, scheduler, reward, cond, None, PROMPTS, [{}, {}], noise, 6,
                     num_inference_steps=T, margin=2.0, grad_scale=1.0, generator=torch.Generator().manual_seed(1))
     assert out.images.shape == (2, 3, RES, RES) and out.rewards.shape == (2,)
     assert out.rewards.requires_grad and out.images.requires_grad
@@ -84,18 +84,19 @@ def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(ti
 
 
 def test_kl_term_is_the_noise_prediction_mse_to_the_base_model(tiny_models):
-    pipe, params, scheduler, prompt_embeds, noise = _refl_inputs(tiny_models, "random")
+    family, params, scheduler, cond, noise = _refl_inputs(tiny_models, "random")
+    pipe = family.pipe
     reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
     k = 5
-    out = refl_step(pipe.unet, pipe.vae, scheduler, reward, prompt_embeds, None, PROMPTS, [{}, {}], noise, k,
+    out = refl_step(family, scheduler, reward, cond, None, PROMPTS, [{}, {}], noise, k,
                     num_inference_steps=T, generator=torch.Generator().manual_seed(1), keep_trajectory=True)
-    kl = kl_to_base(pipe.unet, scheduler, out.denoised, k, prompt_embeds, None, 1.0)
+    kl = kl_to_base(family, scheduler, out.denoised, k, cond, None, 1.0)
     assert all(p.requires_grad for p in params), "enable_adapters must make the LoRA trainable again"
     x_t, t = out.denoised.all_latents[k], out.denoised.timesteps[k]
     with torch.no_grad():
-        eps_lora = guided_noise_pred(pipe.unet, scheduler.scale_model_input(x_t, t), t, prompt_embeds, None, 1.0)
+        eps_lora = family.predict(x_t, t, scheduler, cond, None, 1.0)
         pipe.unet.disable_adapters()
-        eps_base = guided_noise_pred(pipe.unet, scheduler.scale_model_input(x_t, t), t, prompt_embeds, None, 1.0)
+        eps_base = family.predict(x_t, t, scheduler, cond, None, 1.0)
         pipe.unet.enable_adapters()
     expected = (eps_lora - eps_base).square().mean()
     assert expected > 0
@@ -150,14 +151,15 @@ def trained(tiny_models, tmp_path_factory) -> Path:
 def _held_out_reward(pipe, reward) -> float:
     """Mean ImageReward of fixed-seed images (2 per prompt) on the held-out prompts, with the training sampler."""
     prompts = [p for p, _ in load_prompts(DATA_DIR / "eval_prompts.txt")]
+    family = StableDiffusion(pipe)
     scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-    prompt_embeds, _ = encode_prompts(pipe, prompts, "cpu", with_negative=False)
+    cond, _ = family.encode_prompts(prompts, with_negative=False)
     scores = []
     for seed in (0, 1):
         generator = torch.Generator().manual_seed(seed)
-        noise = initial_noise(len(prompts), pipe.unet, RES, pipe.vae_scale_factor, generator, "cpu", torch.float32)
-        latents = denoise(pipe.unet, scheduler, prompt_embeds, None, noise, T, 1.0, generator=generator).latents
-        scores.append(reward(decode_latents(pipe.vae, latents), prompts, [{}] * len(prompts))[0])
+        noise = family.initial_noise(len(prompts), RES, generator, torch.float32)
+        latents = denoise(family, scheduler, cond, None, noise, T, 1.0, generator=generator).latents
+        scores.append(reward(family.decode(latents), prompts, [{}] * len(prompts))[0])
     return torch.cat(scores).mean().item()
 
 

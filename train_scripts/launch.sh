@@ -6,7 +6,9 @@
 #   MAIN_PROCESS_PORT=..  rendezvous port; default: a free port picked now (no clash with other users' runs)
 #   PYTHON=python3        the interpreter; default: python
 #
-# Usage (from the train_*.sh scripts): source this file, then `launch MODULE [defaults...] -- "$@"`.
+# Usage (from the train_*.sh scripts): source this file, then `launch MODULE [script defaults...] -- "$@"`.
+# The script's defaults travel in REFL_DDPO_DEFAULTS and are a layer *below* --config and the user's flags (see
+# refl_ddpo/config.py), so a config file is never overridden by a script default.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,6 +29,13 @@ gpu_count() {  # GPUs the driver can see (0 without nvidia-smi or a GPU)
 
 launch() {
   local module="$1"; shift
+  local defaults=()
+  while (( $# )) && [[ "$1" != "--" ]]; do defaults+=("$1"); shift; done
+  (( $# )) && shift  # the "--"
+  REFL_DDPO_DEFAULTS=""
+  (( ${#defaults[@]} )) && REFL_DDPO_DEFAULTS="$(printf '%q ' "${defaults[@]}")"
+  REFL_DDPO_PROG="bash train_scripts/$(basename "$0")"
+  export REFL_DDPO_DEFAULTS REFL_DDPO_PROG
   local n_gpus; n_gpus="$(gpu_count)"
   if [[ -n "${GPUS:-}" ]]; then
     [[ "$GPUS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "GPUS='$GPUS' is not a comma-separated list of GPU indices (e.g. GPUS=0,1)."

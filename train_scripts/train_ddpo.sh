@@ -3,4 +3,4 @@
 # Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals). Env knobs GPUS, NUM_PROCESSES,
 # MAIN_PROCESS_PORT: see launch.sh. Flags given here come later and override the defaults below.
 source "$(dirname "$0")/launch.sh"
-launch refl_ddpo.trainers.ddpo --output_dir checkpoint/ddpo_lora "$@"
+launch refl_ddpo.trainers.ddpo --output_dir checkpoint/ddpo_lora -- "$@"

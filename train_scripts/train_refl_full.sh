@@ -9,4 +9,4 @@
 #   GPUS=0,1,2,3,4,5,6,7 bash train_scripts/train_refl_full.sh
 source "$(dirname "$0")/launch.sh"
 launch refl_ddpo.trainers.refl --no-use_lora --learning_rate 1e-5 --grad_scale 1e-3 --max_train_steps 100 \
-  --train_batch_size 2 --total_batch_size 64 --gradient_checkpointing --output_dir checkpoint/refl_full "$@"
+  --train_batch_size 2 --total_batch_size 64 --gradient_checkpointing --output_dir checkpoint/refl_full -- "$@"

@@ -7,4 +7,4 @@
 # Env knobs (see launch.sh): GPUS, NUM_PROCESSES, MAIN_PROCESS_PORT, PYTHON. All flags: python -m
 # refl_ddpo.trainers.refl --help.
 source "$(dirname "$0")/launch.sh"
-launch refl_ddpo.trainers.refl --learning_rate 1e-4 --grad_scale 0.01 --output_dir checkpoint/refl_lora "$@"
+launch refl_ddpo.trainers.refl --learning_rate 1e-4 --grad_scale 0.01 --output_dir checkpoint/refl_lora -- "$@"

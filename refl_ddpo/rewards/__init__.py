@@ -1,4 +1,4 @@
-"""Rewards: plain functions behind one contract, found by name.
+"""Rewards: plain functions behind one contract, found by name in a static table.
 
     reward_fn(images, prompts, metadata) -> (rewards, info)
 
@@ -9,19 +9,33 @@ extra scalars/tensors for logging. A reward that is `differentiable` keeps the a
 
 A factory takes `device`, `dtype` and `model_dir` (the --reward_model_dir folder) and returns the function; it never
 picks a device itself. `build_reward("jpeg_compressibility:1.0,imagereward:0.5", ...)` gives the weighted sum.
+The table names each factory by module, so that checking a `--reward` flag imports no model code.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from refl_ddpo.errors import UserError
 
-RewardFn = Callable[[torch.Tensor, list[str], list[dict]], tuple[torch.Tensor, dict]]
+if TYPE_CHECKING:
+    import torch
+
+RewardFn = Callable[["torch.Tensor", list[str], list[dict]], tuple["torch.Tensor", dict]]
 RewardFactory = Callable[..., RewardFn]  # (device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn
+
+# name -> (module, factory function, differentiable)
+REWARDS: dict[str, tuple[str, str, bool]] = {
+    "aesthetic": ("refl_ddpo.rewards.aesthetic", "aesthetic", True),
+    "imagereward": ("refl_ddpo.rewards.imagereward", "imagereward", True),
+    "jpeg_compressibility": ("refl_ddpo.rewards.jpeg", "jpeg_compressibility", False),
+    "jpeg_incompressibility": ("refl_ddpo.rewards.jpeg", "jpeg_incompressibility", False),
+    "toy_classifier": ("refl_ddpo.rewards.toy", "toy_classifier", True),
+    "toy_color_match": ("refl_ddpo.rewards.toy", "toy_color_match", False),
+}
 
 
 @dataclass(frozen=True)
@@ -34,37 +48,17 @@ class Reward:
         return self.fn(images, prompts, metadata)
 
 
-_REGISTRY: dict[str, tuple[RewardFactory, bool]] = {}
-
-
-def register(name: str, differentiable: bool) -> Callable[[RewardFactory], RewardFactory]:
-    """Decorator: make a reward factory available by `name`."""
-
-    def deco(factory: RewardFactory) -> RewardFactory:
-        _REGISTRY[name] = (factory, differentiable)
-        return factory
-
-    return deco
-
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register decorators.
-    from refl_ddpo.rewards import aesthetic, imagereward, jpeg  # noqa: F401
-
-
 def available() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return sorted(REWARDS)
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     """'a:1.0,b:0.5' -> [('a', 1.0), ('b', 0.5)]; 'a' -> [('a', 1.0)]. Checks names, no model is loaded."""
-    names = available()
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, weight = part.partition(":")
-        if name not in names:
-            raise UserError(f"--reward: unknown reward '{name}'; choose from {', '.join(names)} "
+        if name not in REWARDS:
+            raise UserError(f"--reward: unknown reward '{name}'; choose from {', '.join(available())} "
                             "(weighted sums as name:weight,name:weight).")
         try:
             out.append((name, float(weight) if weight else 1.0))
@@ -76,21 +70,27 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def is_differentiable(spec: str) -> bool:
-    return all(_REGISTRY[name][1] for name, _ in parse_reward_spec(spec))
+    return all(REWARDS[name][2] for name, _ in parse_reward_spec(spec))
 
 
-def build_reward(spec: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
-                 model_dir: str = "checkpoint", options: dict[str, dict] | None = None) -> Reward:
+def factory(name: str) -> RewardFactory:
+    module, fn, _ = REWARDS[name]
+    return getattr(importlib.import_module(module), fn)
+
+
+def build_reward(spec: str, device, dtype=None, model_dir: str = "checkpoint",
+                 options: dict[str, dict] | None = None) -> Reward:
     """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5').
 
-    `options` maps a reward name to extra keyword arguments of its factory, e.g.
-    {"imagereward": {"antialias": False}}."""
+    `options` maps a reward name to extra keyword arguments of its factory, e.g. {"imagereward": {"antialias":
+    False}}."""
+    import torch
+
     parts = parse_reward_spec(spec)
-    device = torch.device(device)
-    options = options or {}
-    built = [(name, w, _REGISTRY[name][0](device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
+    device, dtype, options = torch.device(device), dtype or torch.float32, options or {}
+    built = [(name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
              for name, w in parts]
-    differentiable = all(_REGISTRY[name][1] for name, _ in parts)
+    differentiable = is_differentiable(spec)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]
         return Reward(name, fn, differentiable)
@@ -105,3 +105,19 @@ def build_reward(spec: str, device: torch.device | str, dtype: torch.dtype = tor
         return total, info
 
     return Reward(spec, weighted, differentiable)
+
+
+def reward_stats(spec: str, rewards: torch.Tensor, parts: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """`reward/<name>/mean|std` of rewards (N,) (population std); for a weighted sum, `reward/total/...` and one pair
+    per part (`parts`: name -> that part's rewards (N,), as the weighted reward's info carries them)."""
+    named = parse_reward_spec(spec)
+    if len(named) == 1 and named[0][1] == 1.0:
+        series = {named[0][0]: rewards}
+    else:
+        series = {"total": rewards, **{name: (parts or {})[name] for name, _ in named if name in (parts or {})}}
+    out = {}
+    for name, values in series.items():
+        values = values.detach().double().cpu()
+        out[f"reward/{name}/mean"] = float(values.mean())
+        out[f"reward/{name}/std"] = float(values.std(unbiased=False)) if len(values) > 1 else 0.0
+    return out

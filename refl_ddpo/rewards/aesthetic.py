@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.rewards import RewardFn, register
+from refl_ddpo.rewards import RewardFn
 
 SUBDIR = "aesthetic"
 CLIP_DIR = "clip"
@@ -207,7 +207,6 @@ def load(
     return scorer
 
 
-@register("aesthetic", differentiable=True)
 def aesthetic(device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn:
     scorer = load(model_dir, device, dtype)
 

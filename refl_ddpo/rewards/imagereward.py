@@ -35,7 +35,7 @@ from torchvision.transforms.v2 import functional as TF
 from transformers import BertTokenizer, BlipTextConfig, BlipTextModel
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.rewards import RewardFn, register
+from refl_ddpo.rewards import RewardFn
 
 # ImageReward.py: the normalisation of the MLP output, the prompt length and the image size.
 REWARD_MEAN = 0.16717362830052426
@@ -419,7 +419,6 @@ def load(
 # ---- the reward ----
 
 
-@register("imagereward", differentiable=True)
 def imagereward(device: torch.device, dtype: torch.dtype, model_dir: str, antialias: bool = True,
                 gradient_checkpointing: bool = False) -> RewardFn:
     """ImageReward of each image for its prompt; keeps the graph back to `images` (ReFL backpropagates it).

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from refl_ddpo.rewards import register
+
 
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -23,7 +23,6 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
-@register("jpeg_compressibility", differentiable=False)
 def jpeg_compressibility(device: torch.device, dtype: torch.dtype, model_dir: str):
     def reward_fn(images, prompts, metadata):
         return -jpeg_size_kb(images).to(device), {}
@@ -31,7 +30,6 @@ def jpeg_compressibility(device: torch.device, dtype: torch.dtype, model_dir: st
     return reward_fn
 
 
-@register("jpeg_incompressibility", differentiable=False)
 def jpeg_incompressibility(device: torch.device, dtype: torch.dtype, model_dir: str):
     def reward_fn(images, prompts, metadata):
         return jpeg_size_kb(images).to(device), {}

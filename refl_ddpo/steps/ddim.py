@@ -98,3 +98,23 @@ def ddim_step_with_logprob(
     prev, log_prob, _ = ddim_step_with_logprob_and_x0(scheduler, model_output, timestep, sample, eta, generator,
                                                        prev_sample)
     return prev, log_prob
+
+
+def ddim_step_kl(scheduler, model_output: torch.Tensor, ref_model_output: torch.Tensor, timesteps: torch.Tensor,
+                 eta: float) -> torch.Tensor:
+    """KL(policy step || reference step) per sample (B,), averaged over the non-batch dims like the log-probs.
+
+    Both DDIM steps (no sample clipping) are Gaussians with the same std = eta * s_t around means that are affine in
+    the noise prediction eps: mu = sqrt(a_prev) * (x_t - sqrt(1 - a_t) eps) / sqrt(a_t) + sqrt(1 - a_prev - std^2)
+    eps, so mu - mu_ref = k_t (eps - eps_ref) with k_t = sqrt(1 - a_prev - std^2) - sqrt(a_prev (1 - a_t) / a_t),
+    and the KL per dimension is k_t^2 (eps - eps_ref)^2 / (2 std^2).
+    """
+    if scheduler.config.clip_sample:
+        raise ValueError("ddim_step_kl assumes clip_sample=False (the means are then affine in the noise prediction)")
+    t = torch.as_tensor(timesteps, device="cpu", dtype=torch.long).reshape(-1)
+    a_t, a_prev, s2 = step_alphas(scheduler, t, torch.float64)
+    var = eta**2 * s2
+    k = (1 - a_prev - var).sqrt() - (a_prev * (1 - a_t) / a_t).sqrt()
+    coef = (k**2 / (2 * var)).to(model_output.device, torch.float32)  # (B,)
+    sq = ((model_output.float() - ref_model_output.float()) ** 2).mean(dim=tuple(range(1, model_output.ndim)))
+    return coef * sq

@@ -1,0 +1,33 @@
+"""Model families: chosen from model_index.json's `_class_name`; see `base.ModelFamily` for what one provides."""
+
+from __future__ import annotations
+
+from refl_ddpo.errors import UserError
+from refl_ddpo.families.base import Cond, ModelFamily, cond_cat, cond_expand
+
+__all__ = ["Cond", "ModelFamily", "cond_cat", "cond_expand", "family_class", "load_family"]
+
+# model_index.json _class_name -> (module, class); a static table, so choosing a family imports nothing heavy.
+FAMILIES = {
+    "StableDiffusionPipeline": ("refl_ddpo.families.sd", "StableDiffusion"),
+}
+
+
+def family_class(pipeline_class: str) -> type[ModelFamily]:
+    import importlib
+
+    if pipeline_class not in FAMILIES:
+        known = ", ".join(FAMILIES)
+        raise UserError(f"model_index.json names {pipeline_class or 'no pipeline class'}; this kit trains {known} "
+                        "folders.")
+    module, name = FAMILIES[pipeline_class]
+    return getattr(importlib.import_module(module), name)
+
+
+def load_family(name: str, dtype=None, device="cpu") -> ModelFamily:
+    """Load the model at `name` (local folder or hub id), frozen, as its family's adapter."""
+    from refl_ddpo.models import load_pipeline, pipeline_class_name
+
+    pipeline_class = pipeline_class_name(name)
+    cls = family_class(pipeline_class)
+    return cls(load_pipeline(name, dtype, device, pipeline_class))

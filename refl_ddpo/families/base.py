@@ -1,0 +1,97 @@
+"""What a model family provides to the core: the loop, the LoRA core, the trainers and inference call only this.
+
+A family wraps one loaded diffusers pipeline. Prompt conditioning travels as a dict of batch-first tensors
+(`Cond`), so that a family with more than one text tensor (SD3's pooled embeddings) fits the same loop, the same
+DDPO sample buffers (indexed and concatenated key by key) and the same CFG batching.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+Cond = dict[str, torch.Tensor]  # e.g. {"prompt_embeds": (B, L, D)}; every tensor batch-first
+
+
+def cond_expand(cond: Cond, batch_size: int) -> Cond:
+    """A conditioning of batch 1 (the empty prompt) repeated to `batch_size` (views, no copy)."""
+    return {k: v.expand(batch_size, *v.shape[1:]) for k, v in cond.items()}
+
+
+def cond_cat(conds: list[Cond]) -> Cond:
+    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+
+
+class ModelFamily(ABC):
+    """One model family (SD 1.x/2.x, SD3 ...): a loaded, frozen pipeline and the maths that differ by family."""
+
+    name: ClassVar[str]  # e.g. "sd"
+    pipeline_class: ClassVar[str]  # model_index.json's _class_name that selects this family
+    network_name: ClassVar[str]  # the pipeline attribute of the denoising network ("unet", "transformer")
+    lora_target_modules: ClassVar[list[str]]  # default LoRA targets (module names inside the network)
+    # Samplers the inference scripts offer, name -> diffusers class; the first is the default.
+    schedulers: ClassVar[dict[str, str]]
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    # ---- parts ----
+    @property
+    def network(self) -> torch.nn.Module:
+        return getattr(self.pipe, self.network_name)
+
+    @property
+    def vae(self) -> torch.nn.Module:
+        return self.pipe.vae
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    @property
+    def native_resolution(self) -> int:
+        """The image side the network was built for (sample_size x vae_scale_factor)."""
+        return int(self.network.config.sample_size) * self.vae_scale_factor
+
+    def scheduler(self, kind: str):
+        """A fresh scheduler of class `kind` (a diffusers class name) from the model's own scheduler config."""
+        import diffusers
+
+        return getattr(diffusers, kind).from_config(self.pipe.scheduler.config)
+
+    # ---- the data path ----
+    @abstractmethod
+    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+        """(conditioning of the prompts, of the empty prompt or None), no grad."""
+
+    @abstractmethod
+    def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
+        """Gaussian latents x_T as the stock pipeline draws them (before `init_noise_sigma`)."""
+
+    @abstractmethod
+    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, scheduler, cond: Cond, uncond: Cond | None,
+                guidance_scale: float, network=None) -> torch.Tensor:
+        """The network's output (noise, velocity ...) at (latents, timesteps), with CFG batched as the pipeline."""
+
+    @abstractmethod
+    def step(self, scheduler, model_output, timestep, latents, eta: float, generator):
+        """The scheduler's own step: (next latents, predicted x0 or None)."""
+
+    @abstractmethod
+    def step_with_logprob(self, scheduler, model_output, timestep, latents, eta: float, generator=None,
+                          prev_sample=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stochastic step of the policy-gradient trainers: (next latents, log-prob (B,), predicted x0)."""
+
+    @abstractmethod
+    def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
+        """KL (B,) between the stochastic steps of two model outputs at the same state, per dimension."""
+
+    @abstractmethod
+    def x0_kl_weight(self, scheduler, timestep) -> float:
+        """w such that w * mse(x0, x0_ref) is ReFL's KL term (the model-output MSE) at `timestep`."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) in [0, 1], differentiable where grad is enabled."""

@@ -1,0 +1,268 @@
+"""DDPO's config: TRL `DDPOConfig` field names, ddpo-pytorch `config/base.py` defaults, its experiments as presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from refl_ddpo.config import CommonConfig, field_
+from refl_ddpo.errors import UserError
+from refl_ddpo.prompts import load_prompts
+from refl_ddpo.rewards import parse_reward_spec
+
+
+@dataclass
+class DDPOConfig(CommonConfig):
+    """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+
+    preset: str | None = field_(
+        None,
+        "A recipe as defaults (ddpo-pytorch's config/dgx.py experiments, or toy_world); --config and flags override "
+        "it. prompt_image_alignment needs a LLaVA + BERTScore server that this kit does not ship and is refused.",
+        group="recipe",
+    )
+    reward: str = field_(
+        "jpeg_compressibility",
+        "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
+        "imagereward).",
+        group="reward and prompts",
+    )
+    prompt_fn: Literal["imagenet_animals", "simple_animals", "from_file"] | None = field_(
+        None,
+        "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
+        "animals) or from_file (--prompts_file); default from_file when --prompts_file is given, else "
+        "imagenet_animals.",
+    )
+    sample_num_steps: int = field_(50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling")
+    sample_eta: float = field_(
+        1.0, "DDIM eta of the sampler; must be > 0, the step log-probabilities need noise."
+    )
+    sample_guidance_scale: float = field_(
+        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)."
+    )
+    sample_batch_size: int = field_(1, "Images per sampling batch, per GPU.")
+    sample_num_batches_per_epoch: int = field_(
+        2, "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images."
+    )
+    train_batch_size: int = field_(
+        1, "Samples per training micro-batch, per GPU (divides --sample_batch_size).")
+    train_gradient_accumulation_steps: int = field_(
+        1, "Micro-batches per optimizer step; each micro-batch also accumulates over its trained timesteps.",
+        group="training"
+    )
+    train_num_inner_epochs: int = field_(1, "Passes over each epoch's samples (PPO inner epochs).")
+    train_timestep_fraction: float = field_(
+        1.0, "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1]."
+    )
+    train_clip_range: float = field_(
+        1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF)."
+    )
+    train_adv_clip_max: float = field_(5.0, "Advantages are clipped to [-this, this].")
+    train_cfg: bool = field_(
+        True, "Use CFG in the training forward, as in sampling (else the conditional UNet only)."
+    )
+    kl_weight: float = field_(
+        0.0,
+        "Weight of a KL penalty to the base model (LoRA switched off): the closed-form KL of the two Gaussian "
+        "DDIM steps per trained timestep, averaged per dimension like the log-probabilities. 0 = off.",
+    )
+    per_prompt_stat_tracking: bool = field_(
+        True, "Normalise rewards per prompt with a running buffer (else with the epoch's mean / std).", group="advantages")
+    per_prompt_stat_tracking_buffer_size: int = field_(16, "Rewards kept per prompt for its mean / std.")
+    per_prompt_stat_tracking_min_count: int = field_(
+        16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
+    )
+    async_reward_computation: bool = field_(
+        False, "Compute rewards in a thread pool while sampling continues.", group="rewards")
+    max_workers: int = field_(2, "Threads of the reward pool (with --async_reward_computation).")
+    num_epochs: int = field_(100, "Epochs (sample, then train) to run in total, counting resumed ones.", group="run length and state")
+    save_freq: int = field_(
+        20, "Save accelerate state to output_dir/checkpoint-N every this many epochs (and at the end)."
+    )
+    output_dir: str = field_(
+        "checkpoint/ddpo_lora", "Where the final LoRA, its config.json and checkpoint-N/ go.")
+    learning_rate: float = field_(3e-4, "AdamW learning rate.")
+    adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")
+    checkpoints_total_limit: int | None = field_(
+        5, "Keep at most this many checkpoint-N folders (None = all)."
+    )
+    num_inference_steps: int | None = field_(
+        None,
+        "Alias of --sample_num_steps (the common flag); if both are set to different values it is an error.",
+    )
+    guidance_scale: float | None = field_(
+        None,
+        "Alias of --sample_guidance_scale (the common flag); if both are set to different values it is an "
+        "error.",
+    )
+    gradient_accumulation_steps: int | None = field_(
+        None,
+        "Alias of --train_gradient_accumulation_steps (the common flag); if both are set to different values "
+        "it is an error.",
+    )
+    checkpointing_steps: int = field_(0, "Not used by DDPO, which saves by epoch: use --save_freq.")
+
+    def __post_init__(self) -> None:
+        if self.prompt_fn is None:
+            self.prompt_fn = "from_file" if self.prompts_file else "imagenet_animals"
+
+    def check(self) -> None:
+        for alias, name in self.ALIASES.items():  # parse_config resolved them; built directly, fill them here
+            if getattr(self, alias) is None:
+                setattr(self, alias, getattr(self, name))
+            elif getattr(self, alias) != getattr(self, name):
+                raise UserError(f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
+                                f"--{alias} is an alias of --{name}: give only one of them.")
+        super().check()
+        if self.preset == "prompt_image_alignment":
+            raise UserError(
+                "--preset prompt_image_alignment needs ddpo-pytorch's LLaVA + BERTScore reward server, "
+                "which this kit does not ship; for a prompt-alignment reward use --reward imagereward."
+            )
+        if self.checkpointing_steps != 0:
+            raise UserError(
+                "--checkpointing_steps is not used by DDPO, which checkpoints by epoch: use --save_freq "
+                "N (epochs) instead."
+            )
+        self.check_positive(
+            "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch",
+            "train_gradient_accumulation_steps", "train_num_inner_epochs", "num_epochs", "save_freq",
+            "per_prompt_stat_tracking_buffer_size", "per_prompt_stat_tracking_min_count", "max_workers",
+        )
+        if self.sample_eta <= 0:
+            raise UserError(
+                f"--sample_eta must be > 0 (got {self.sample_eta}): DDPO's step log-probabilities need "
+                "a stochastic sampler; ddpo-pytorch uses 1.0."
+            )
+        if self.sample_batch_size < self.train_batch_size or self.sample_batch_size % self.train_batch_size:
+            divisor = _largest_divisor(self.sample_batch_size, self.train_batch_size)
+            raise UserError(
+                f"--sample_batch_size {self.sample_batch_size} must be >= and a multiple of "
+                f"--train_batch_size {self.train_batch_size}: set --train_batch_size to a divisor of "
+                f"{self.sample_batch_size} (e.g. {divisor})."
+            )
+        per_process = self.sample_batch_size * self.sample_num_batches_per_epoch
+        per_step = self.train_batch_size * self.train_gradient_accumulation_steps
+        if per_process % per_step:
+            # Both sides scale with the number of processes, so the per-process check is the global one.
+            raise UserError(
+                f"samples per epoch (--sample_batch_size {self.sample_batch_size} x --sample_num_batches_per_epoch "
+                f"{self.sample_num_batches_per_epoch} = {per_process} per process) must be a multiple of the train "
+                f"batch per optimizer step (--train_batch_size {self.train_batch_size} x "
+                f"--train_gradient_accumulation_steps {self.train_gradient_accumulation_steps} = {per_step}): change "
+                "--sample_num_batches_per_epoch or --train_gradient_accumulation_steps."
+            )
+        if not 0 < self.train_timestep_fraction <= 1:
+            raise UserError(
+                f"--train_timestep_fraction must be in (0, 1] (got {self.train_timestep_fraction}); 1.0 "
+                "trains on every step."
+            )
+        if num_train_timesteps(self) < 1:
+            raise UserError(
+                f"--train_timestep_fraction {self.train_timestep_fraction} x --sample_num_steps "
+                f"{self.sample_num_steps} trains on no step: raise one of them."
+            )
+        if not self.train_clip_range >= 0:
+            raise UserError(f"--train_clip_range must be >= 0 or inf (got {self.train_clip_range}).")
+        if not self.train_adv_clip_max > 0:
+            raise UserError(f"--train_adv_clip_max must be > 0 (got {self.train_adv_clip_max}).")
+        if self.per_prompt_stat_tracking_min_count > self.per_prompt_stat_tracking_buffer_size:
+            raise UserError(
+                f"--per_prompt_stat_tracking_min_count {self.per_prompt_stat_tracking_min_count} exceeds "
+                f"--per_prompt_stat_tracking_buffer_size {self.per_prompt_stat_tracking_buffer_size}: the "
+                "buffer could never hold enough rewards; make the buffer at least min_count."
+            )
+        if self.kl_weight < 0:
+            raise UserError(f"--kl_weight must be >= 0 (got {self.kl_weight}).")
+        if self.kl_weight > 0 and not self.use_lora:
+            raise UserError(
+                "--kl_weight needs --use_lora: the base model is the UNet with the LoRA switched off."
+            )
+        parse_reward_spec(self.reward)  # unknown names and bad weights fail here, before any model is loaded
+        if self.prompt_fn == "from_file":
+            if not self.prompts_file:
+                raise UserError("--prompt_fn from_file needs --prompts_file PATH (one prompt per line).")
+            load_prompts(self.prompts_file)
+        elif self.prompts_file:
+            raise UserError(
+                f"--prompt_fn {self.prompt_fn} and --prompts_file both name the prompts: drop one "
+                "(a prompts file alone means --prompt_fn from_file)."
+            )
+
+
+DDPO_ALIASES = {
+    "num_inference_steps": "sample_num_steps",
+    "guidance_scale": "sample_guidance_scale",
+    "gradient_accumulation_steps": "train_gradient_accumulation_steps",
+}
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+# ddpo-pytorch config/dgx.py: its experiments ran on 8 GPUs; the batch numbers below are per GPU, as there.
+_COMPRESSIBILITY = {
+    "num_epochs": 100,
+    "save_freq": 1,
+    "checkpoints_total_limit": None,
+    "use_lora": True,
+    "sample_batch_size": 8,
+    "sample_num_batches_per_epoch": 4,  # 8 GPUs x 8 x 4 = 256 samples per epoch
+    "train_batch_size": 4,
+    "train_gradient_accumulation_steps": 2,  # (8 x 4) / (4 x 2) = 4 optimizer steps per epoch
+    "prompt_fn": "imagenet_animals",
+    "reward": "jpeg_compressibility",
+    "per_prompt_stat_tracking": True,
+    "per_prompt_stat_tracking_buffer_size": 16,
+    "per_prompt_stat_tracking_min_count": 16,
+}
+DDPO_PRESETS: dict[str, dict[str, Any]] = {
+    "compressibility": _COMPRESSIBILITY,
+    "incompressibility": {**_COMPRESSIBILITY, "reward": "jpeg_incompressibility"},
+    "aesthetic": {  # harder to optimise: 2 optimizer steps per epoch, a longer buffer, 200 epochs
+        **_COMPRESSIBILITY,
+        "num_epochs": 200,
+        "reward": "aesthetic",
+        "train_gradient_accumulation_steps": 4,
+        "prompt_fn": "simple_animals",
+        "per_prompt_stat_tracking_buffer_size": 32,
+    },
+    "prompt_image_alignment": {  # refused in check(): its reward is a LLaVA server
+        **_COMPRESSIBILITY,
+        "num_epochs": 200,
+        "sample_num_batches_per_epoch": 6,
+        "train_gradient_accumulation_steps": 6,
+        "per_prompt_stat_tracking_buffer_size": 32,
+    },
+}
+
+
+DDPOConfig.ALIASES = DDPO_ALIASES
+DDPOConfig.PRESETS = DDPO_PRESETS
+
+
+def num_train_timesteps(cfg: DDPOConfig) -> int:
+    """Steps trained per sample and inner epoch (ddpo-pytorch: int(num_steps * timestep_fraction))."""
+    return int(cfg.sample_num_steps * cfg.train_timestep_fraction)
+
+
+def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:
+    """The derived sizes printed before training."""
+    images = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch * num_processes
+    effective = cfg.train_batch_size * cfg.train_gradient_accumulation_steps * num_processes
+    return {
+        "images per epoch (all processes)": images,
+        "effective train batch (samples per optimizer step, all processes)": effective,
+        "optimizer steps per epoch": images // effective * cfg.train_num_inner_epochs,
+        "trained timesteps per sample": num_train_timesteps(cfg),
+    }
+
+
+
+
+def parse_ddpo_config(argv: list[str] | None = None) -> DDPOConfig:
+    """Flags (and --config FILE, --preset NAME, a script's defaults) -> a checked DDPOConfig."""
+    from refl_ddpo.config import parse_config
+
+    return parse_config(DDPOConfig, argv)

@@ -1,0 +1,166 @@
+"""ReFL's config (and that of its relatives on the same trainer) and the checks of its inputs before loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from refl_ddpo.config import CommonConfig, field_
+from refl_ddpo.errors import UserError
+
+IMAGEREWARD_FILES = ("ImageReward.pt", "med_config.json", "bert-base-uncased")
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass
+class ReFLConfig(CommonConfig):
+    """ReFL (ImageReward's Reward Feedback Learning) on Stable Diffusion, LoRA or full network, one or many GPUs."""
+
+    output_dir: str = field_("checkpoint/refl_lora", "Where the final LoRA, its config.json and checkpoint-N/ go.")
+    prompts_file: str | None = field_(
+        "refl_prompts",
+        "Training prompts: a file (one per line, or a JSON list of strings / {'text'|'prompt': ...} objects) or the "
+        "name of a list shipped in refl_ddpo/data (refl_prompts, simple_animals, imagenet_animals).",
+    )
+    reward: str = field_(
+        "imagereward",
+        "Reward to maximise; it must be differentiable (imagereward, toy_classifier, ...); weighted sums as "
+        "name:w,name:w.",
+        group="reward and prompts",
+    )
+    preset: str | None = field_(None, "A recipe as defaults (toy_world); --config and flags override it.")
+    grad_scale: float = field_(1e-3, "Factor on the ReFL loss (ImageReward's ReFL.py: 1e-3; LoRA recipe: 0.01).", group="the ReFL step")
+    margin: float = field_(2.0, "Hinge margin: the ReFL loss is relu(margin - reward); rewards above it stop pulling.")
+    k_lo: int = field_(30, "Smallest step index that may run with gradient (0-based, of num_inference_steps).")
+    k_hi: int = field_(39, "Largest step index that may run with gradient; k is uniform in k_lo..k_hi inclusive.")
+    scheduler: Literal["ddpm", "ddim"] = field_(
+        "ddpm", "Sampler of the training rollout: ddpm (ImageReward's ReFL.py) or ddim (deterministic with eta 0)."
+    )
+    eta: float = field_(0.0, "DDIM eta of the rollout (0 = deterministic); only with --scheduler ddim.")
+    guidance_scale: float = field_(
+        1.0, "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference."
+    )
+    max_train_steps: int = field_(100, "Optimizer steps to train for (the total, also when resuming).")
+    total_batch_size: int | None = field_(
+        None,
+        "Images per optimizer step over all processes; when set, gradient_accumulation_steps is derived as "
+        "total_batch_size / (train_batch_size x processes), which must divide evenly.",
+    )
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
+                          "polynomial"] = field_("constant", "Learning-rate schedule (diffusers.optimization).", group="optimisation extras")
+    lr_warmup_steps: int = field_(0, "Optimizer steps of linear warmup (with a *_with_warmup, linear or cosine "
+                                     "schedule).")
+    use_ema: bool = field_(False, "Keep an EMA of the UNet weights and save it at the end (full fine-tune only).")
+    ema_decay: float = field_(0.9999, "EMA decay per optimizer step (diffusers' EMAModel).")
+    vae_gradient_checkpointing: bool = field_(False, "Recompute VAE decoder activations in backward (saves memory).")
+    reward_gradient_checkpointing: bool = field_(
+        False, "Recompute ImageReward's ViT and text-layer activations in backward (saves memory)."
+    )
+    reward_antialias: bool = field_(
+        True,
+        "Antialiased bicubic resize in ImageReward's preprocessing (current torchvision); --no-reward_antialias "
+        "matches torchvision < 0.17, which the 2023 ReFL runs used.",
+    )
+    pretrain_loss_weight: float = field_(
+        0.0, "Weight of the standard noise-prediction MSE on --pretrain_data_dir (ImageReward paper, eq. 4).", group="regularisers (off by default)")
+    pretrain_data_dir: str | None = field_(
+        None, "Image-caption folder: images + metadata.jsonl with {'file_name': ..., 'text': ...} per line."
+    )
+    pretrain_batch_size: int = field_(1, "Images of --pretrain_data_dir per micro-batch, per GPU.")
+    kl_weight: float = field_(
+        0.0, "Weight of the KL term to the base model (LoRA disabled) at the grad step; LoRA only."
+    )
+    image_log_steps: int = field_(50, "Log a grid of the predicted x0 images every N optimizer steps (0 = off).", group="logging")
+    debug_lora_checksums: bool = field_(
+        False, "Each process appends the SHA-256 of its trainable weights after every optimizer step to "
+               "output_dir/debug/lora_checksums_rank{R}.jsonl (to check that all processes hold the same weights)."
+    )
+
+    def check(self) -> None:
+        super().check()
+        from refl_ddpo.rewards import available, is_differentiable, parse_reward_spec
+
+        T = self.num_inference_steps
+        self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
+        if self.k_lo < 0:
+            raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
+        if self.k_lo > self.k_hi:
+            raise UserError(f"--k_lo {self.k_lo} > --k_hi {self.k_hi}: k is drawn from k_lo..k_hi; make k_lo <= k_hi.")
+        if self.k_hi >= T:
+            raise UserError(f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
+                            f"lower --k_hi or raise --num_inference_steps.")
+        if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
+            raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
+        if self.guidance_scale < 1:
+            raise UserError(f"--guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}.")
+        if not is_differentiable(self.reward):  # also refuses unknown names, with the list of known ones
+            names = ", ".join(n for n in available() if is_differentiable(n))
+            raise UserError(f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
+                            f"reward: choose a differentiable one ({names}) or train this reward with DDPO.")
+        if "imagereward" not in [name for name, _ in parse_reward_spec(self.reward)] and (
+                self.reward_gradient_checkpointing or not self.reward_antialias):
+            raise UserError("--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
+                            f"--reward {self.reward} does not include.")
+        if self.total_batch_size is not None and self.total_batch_size <= 0:
+            raise UserError(f"--total_batch_size must be > 0 (got {self.total_batch_size}).")
+        if self.lr_warmup_steps < 0:
+            raise UserError(f"--lr_warmup_steps must be >= 0 (got {self.lr_warmup_steps}).")
+        if self.lr_warmup_steps and self.lr_scheduler == "constant":
+            raise UserError("--lr_warmup_steps needs a schedule with warmup: add --lr_scheduler constant_with_warmup.")
+        if self.use_ema and self.use_lora:
+            raise UserError("--use_ema averages the full UNet weights: use it with --no-use_lora (or drop it).")
+        if not 0 < self.ema_decay <= 1:
+            raise UserError(f"--ema_decay must be in (0, 1] (got {self.ema_decay}).")
+        if self.kl_weight < 0 or self.pretrain_loss_weight < 0:
+            raise UserError("--kl_weight and --pretrain_loss_weight must be >= 0 (0 turns a regulariser off).")
+        if self.kl_weight > 0 and not self.use_lora:
+            raise UserError("--kl_weight compares with the base model by disabling the LoRA adapter, so it needs "
+                            "--use_lora (a full fine-tune has no base model to compare with).")
+        if self.pretrain_loss_weight > 0 and not self.pretrain_data_dir:
+            raise UserError("--pretrain_loss_weight > 0 needs --pretrain_data_dir (images + metadata.jsonl).")
+        if self.image_log_steps < 0:
+            raise UserError(f"--image_log_steps must be >= 0 (0 = off), got {self.image_log_steps}.")
+        if self.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError("--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag).")
+
+
+def check_reward_files(cfg: ReFLConfig) -> None:
+    """A local ImageReward folder must hold all three of its files (a hub id is fetched when the reward loads)."""
+    from refl_ddpo.rewards import parse_reward_spec
+
+    if "imagereward" not in [name for name, _ in parse_reward_spec(cfg.reward)]:
+        return
+    folder = cfg.reward_model_dir
+    if not os.path.exists(folder) and _HUB_ID.fullmatch(folder):
+        return
+    missing = [name for name in IMAGEREWARD_FILES if not (Path(folder) / name).exists()]
+    if missing:
+        raise UserError(f"--reward_model_dir {folder} lacks {', '.join(missing)}: put ImageReward.pt, "
+                        "med_config.json and bert-base-uncased/ there (see checkpoint/README.md).")
+
+
+def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLConfig:
+    """With --total_batch_size, derive gradient_accumulation_steps for this many processes."""
+    if cfg.total_batch_size is None:
+        return cfg
+    per_step = cfg.train_batch_size * num_processes
+    if cfg.total_batch_size % per_step:
+        raise UserError(f"--total_batch_size {cfg.total_batch_size} is not a multiple of --train_batch_size "
+                        f"{cfg.train_batch_size} x {num_processes} process(es) = {per_step}; change one of them "
+                        "(or NUM_PROCESSES).")
+    steps = cfg.total_batch_size // per_step
+    if cfg.gradient_accumulation_steps not in (1, steps):
+        raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} contradicts "
+                        f"--total_batch_size {cfg.total_batch_size} (which gives {steps}); pass only one of them.")
+    return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
+
+
+
+
+REFL_PRESETS: dict[str, dict] = {}
+ReFLConfig.PRESETS = REFL_PRESETS
