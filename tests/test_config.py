@@ -72,3 +72,64 @@ def test_reward_spec():
         parse_reward_spec("nope")
     with pytest.raises(UserError, match="not a number"):
         parse_reward_spec("imagereward:x")
+
+
+# ---- layers: script defaults < preset < --config < flags ----
+
+
+def test_script_defaults_are_a_layer_below_the_config_file(tmp_path, monkeypatch):
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    monkeypatch.setenv("REFL_DDPO_DEFAULTS", "--learning_rate 1e-4 --grad_scale 0.01 --output_dir 'a b/refl'")
+    cfg = parse_config(ReFLConfig, [])
+    assert (cfg.learning_rate, cfg.grad_scale, cfg.output_dir) == (1e-4, 0.01, "a b/refl")
+    (tmp_path / "f.yaml").write_text("learning_rate: 0.003\n")
+    cfg = parse_config(ReFLConfig, ["--config", str(tmp_path / "f.yaml")])
+    assert (cfg.learning_rate, cfg.grad_scale) == (0.003, 0.01), "the file wins over the script, not the reverse"
+    cfg = parse_config(ReFLConfig, ["--config", str(tmp_path / "f.yaml"), "--learning_rate", "0.5"])
+    assert cfg.learning_rate == 0.5
+
+
+def test_abbreviated_flags_are_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(CommonConfig, ["--learning_rat", "1e-3"])
+    assert e.value.code == 2 and "--learning_rat" in capsys.readouterr().err
+
+
+def test_diffusers_name_of_the_model_flag_is_accepted():
+    cfg = parse_config(CommonConfig, ["--pretrained_model_name_or_path", "org/model"])
+    assert cfg.pretrained_model == "org/model"
+
+
+def test_mixed_precision_defaults_to_the_accelerate_config(tmp_path, monkeypatch):
+    (tmp_path / "acc.yaml").write_text("compute_environment: LOCAL_MACHINE\nmixed_precision: bf16\n")
+    monkeypatch.setenv("ACCELERATE_CONFIG_FILE", str(tmp_path / "acc.yaml"))
+    assert parse_config(CommonConfig, []).mixed_precision == "bf16"
+    assert parse_config(CommonConfig, ["--mixed_precision", "no"]).mixed_precision == "no"
+    monkeypatch.setenv("ACCELERATE_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    assert parse_config(CommonConfig, []).mixed_precision == "no"
+
+
+def test_help_is_grouped_and_names_the_script(monkeypatch, capsys):
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+
+    monkeypatch.setenv("REFL_DDPO_PROG", "bash train_scripts/train_ddpo.sh")
+    with pytest.raises(SystemExit):
+        parse_config(DDPOConfig, ["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: bash train_scripts/train_ddpo.sh")
+    for group in ("models:", "LoRA:", "sampling:", "training:", "advantages:"):
+        assert f"\n{group}\n" in out, group
+
+
+def test_a_bad_flag_fails_without_importing_model_code():
+    """The reward table is static: checking --reward imports no reward model module (nor diffusers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom refl_ddpo.config import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
+            "DDPOConfig\ntry:\n    parse_config(DDPOConfig, ['--reward', 'nope'])\nexcept Exception as e:\n"
+            "    print(type(e).__name__)\nprint(sorted(m for m in sys.modules if m.startswith(('diffusers', "
+            "'transformers', 'refl_ddpo.rewards.'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines() == ["UserError", "[]"], r.stdout

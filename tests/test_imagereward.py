@@ -244,7 +244,7 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_dir):
 
 
 def test_registered_reward(tiny_dir, tiny):
-    assert rewards._REGISTRY["imagereward"] == (ir.imagereward, True)
+    assert rewards.factory("imagereward") is ir.imagereward and rewards.is_differentiable("imagereward")
     reward_fn = ir.imagereward(device=torch.device("cpu"), dtype=torch.float32, model_dir=str(tiny_dir))
     images = _smooth_images(3, 64, 64).requires_grad_()
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]

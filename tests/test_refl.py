@@ -291,3 +291,14 @@ def test_script_reports_bad_input_in_one_line(tiny_models, tmp_path):
     r = _script(_train_flags(tiny_models, out, 1), GPUS="99")
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "GPUS" in r.stderr
     assert not out.exists()
+
+
+def test_script_trains_with_the_config_files_values_over_its_own_defaults(tiny_models, tmp_path):
+    """train_refl_lora.sh's recipe (lr 1e-4, grad_scale 0.01) is a layer below --config: the file's lr is used."""
+    (tmp_path / "f.yaml").write_text("learning_rate: 0.02\nmax_train_steps: 1\n")
+    flags = [f for f in _train_flags(tiny_models, tmp_path / "out", 1) if f not in ("--learning_rate", "3e-2")]
+    flags = [f for i, f in enumerate(flags) if not (f == "--max_train_steps" or flags[i - 1] == "--max_train_steps")]
+    r = _script([*flags, "--config", str(tmp_path / "f.yaml")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = json.loads((tmp_path / "out" / CONFIG_NAME).read_text())
+    assert (saved["learning_rate"], saved["grad_scale"], saved["max_train_steps"]) == (0.02, 0.01, 1)

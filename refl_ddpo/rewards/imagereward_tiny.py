@@ -1,0 +1,133 @@
+"""A tiny random ImageReward in the official checkpoint layout (ImageReward.pt, med_config.json,
+bert-base-uncased/), for tests and demos without the real weights: seeded, about 2 MB, a second to build."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import BertTokenizer
+
+from refl_ddpo.rewards.imagereward import (
+    _POSITION_IDS_KEY,
+    CHECKPOINT_FILE,
+    MED_CONFIG_FILE,
+    TOKENIZER_DIR,
+    ImageRewardModel,
+    _read_tokenizer,
+)
+
+# BERT-uncased style vocabulary for `write_tiny`: ids 0/100-103 are [PAD]/[UNK]/[CLS]/[SEP]/[MASK] as in
+# bert-base-uncased, then characters, prompt words, common suffixes and every letter/digit as a `##` piece, so
+# that any lowercase ASCII prompt tokenizes to real tokens.
+_TINY_CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+_TINY_WORDS = """
+the a an of in on at with and or to from by for is are as it its this that his her their under over near above
+behind beside between into through while during after before very more most not no up down out off one two three
+four five many some all small big large little tall long short old young new beautiful cute happy sad funny scary
+red orange yellow green blue purple pink brown black white gray grey golden silver dark light bright colorful
+cat dog horse bird fish cow pig sheep goat chicken duck rabbit mouse rat fox wolf bear lion tiger leopard cheetah
+elephant giraffe zebra monkey ape panda koala kangaroo deer camel frog snake turtle lizard shark whale dolphin
+octopus owl eagle parrot penguin butterfly bee spider ant animal animals man woman boy girl child people person
+king queen knight wizard robot astronaut soldier dragon unicorn monster alien ghost car truck bus train bike boat
+ship plane rocket house castle tower city street road bridge park garden forest tree trees flower flowers grass
+mountain mountains river lake sea ocean beach island desert snow rain sky cloud clouds sun moon star stars space
+planet fire water ice stone wood glass metal gold table chair bed book cup hat sword apple banana cake pizza food
+room window door wall floor field farm village night day morning evening sunset sunrise winter summer spring autumn
+photo photograph picture image painting drawing sketch portrait landscape illustration poster render art artwork
+style oil watercolor digital concept realistic photorealistic detailed highly intricate sharp focus cinematic
+lighting studio dramatic soft epic fantasy surreal abstract anime cartoon 3d 4k 8k hd unreal engine octane
+trending artstation by greg rutkowski van gogh monet vintage retro modern futuristic cyberpunk steampunk
+sitting standing running walking flying swimming playing eating drinking riding holding wearing looking sleeping
+jumping reading dancing singing fighting smiling
+"""
+_TINY_SUFFIXES = "##s ##es ##ed ##ing ##er ##est ##ly ##y ##ion ##al ##ful ##ness"
+# write_tiny's model: BLIP's layout at toy width (the same dimensions as shared/fixtures/imagereward_tiny).
+_TINY_VISION = {"img_size": 224, "patch_size": 16, "embed_dim": 64, "depth": 2, "num_heads": 4}
+_TINY_TEXT = {
+    "hidden_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 96,
+    "max_position_embeddings": 64,
+}
+_BLIP_PROJ_DIM = 256
+
+
+def _tiny_vocab() -> list[str]:
+    specials = ["[PAD]", *(f"[unused{i}]" for i in range(99)), "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = [f"##{c}" for c in _TINY_CHARS if c.isalnum()]
+    return list(
+        dict.fromkeys([*specials, *_TINY_CHARS, *_TINY_WORDS.split(), *_TINY_SUFFIXES.split(), *pieces])
+    )
+
+
+@torch.no_grad()
+def _redraw(model: nn.Module, generator: torch.Generator) -> None:
+    """Fresh weights that make every parameter matter (shared/fixtures/imagereward_tiny/recipe.json's rule):
+    cls/pos tokens N(0, 0.5²), embeddings N(0, 1), matrices N(0, 1/fan_in), LayerNorm weights N(1, 0.2²),
+    biases N(0, 0.1²). BLIP's own init gives a nearly constant reward."""
+    for name, p in model.named_parameters():
+        if name.endswith(("cls_token", "pos_embed")):
+            mean, std = 0.0, 0.5
+        elif name.endswith(("word_embeddings.weight", "position_embeddings.weight")):
+            mean, std = 0.0, 1.0
+        elif name.endswith("bias"):
+            mean, std = 0.0, 0.1
+        elif p.ndim == 1:  # the only 1-D weights are LayerNorm scales
+            mean, std = 1.0, 0.2
+        else:
+            mean, std = 0.0, p[0].numel() ** -0.5
+        p.copy_(mean + std * torch.randn(p.shape, generator=generator))
+
+
+def _with_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> None:
+    """Write a tiny random ImageReward in the official layout (ImageReward.pt, med_config.json with a
+    `vision_config` entry, bert-base-uncased/) into `out_dir`: seeded, about 2 MB, a second to build."""
+    out = Path(out_dir)
+    tokenizer_dir = out / TOKENIZER_DIR
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    vocab = _tiny_vocab()
+    (tokenizer_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(vocab={t: i for i, t in enumerate(vocab)}, model_max_length=512).save_pretrained(
+        tokenizer_dir
+    )
+    # BLIP's med_config.json with toy sizes; + 2 for [DEC] and [ENC], as 30522 + 2 in the official file.
+    med_config = {
+        "architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1, **_TINY_TEXT, "initializer_range": 0.02, "layer_norm_eps": 1e-12,
+        "model_type": "bert", "pad_token_id": 0, "type_vocab_size": 2, "vocab_size": len(vocab) + 2,
+        "encoder_width": _TINY_VISION["embed_dim"], "add_cross_attention": True, "vision_config": _TINY_VISION,
+    }  # fmt: skip
+    (out / MED_CONFIG_FILE).write_text(json.dumps(med_config, indent=2) + "\n")
+
+    model = ImageRewardModel(med_config, _read_tokenizer(str(tokenizer_dir), med_config["vocab_size"]))
+    generator = torch.Generator().manual_seed(seed)
+    _redraw(model, generator)
+    own = model.state_dict()
+    projections = {
+        f"blip.{name}_proj.{p}": torch.randn(shape, generator=generator) * std
+        for name, width in (("vision", _TINY_VISION["embed_dim"]), ("text", _TINY_TEXT["hidden_size"]))
+        for p, shape, std in (
+            ("weight", (_BLIP_PROJ_DIM, width), width**-0.5),
+            ("bias", (_BLIP_PROJ_DIM,), 0.1),
+        )
+    }
+    position_ids = torch.arange(_TINY_TEXT["max_position_embeddings"])[None]  # [1, max_positions]
+    vision, text = _with_prefix(own, "blip.visual_encoder."), _with_prefix(own, "blip.text_encoder.")
+    # The official key order: ViT, text encoder (position_ids first), projections, MLP.
+    state_dict = {
+        **vision,
+        _POSITION_IDS_KEY: position_ids,
+        **text,
+        **projections,
+        **_with_prefix(own, "mlp."),
+    }
+    torch.save(state_dict, out / CHECKPOINT_FILE)
