@@ -74,6 +74,8 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     "imagenet_animals": _builtin("imagenet_animals"),  # ddpo-pytorch's source: ImageNet-1k animal classes
     "simple_animals": _builtin("simple_animals"),  # ddpo-pytorch's short list of common animals
     "refl_prompts": _builtin("refl_prompts"),  # default ReFL training prompts
+    "toy_world_train": _builtin("toy_world_train"),  # the toy world's 12 training prompts (refl_ddpo.toy_world)
+    "toy_world_heldout": _builtin("toy_world_heldout"),  # its 6 held-out prompts (evaluation only)
 }
 
 

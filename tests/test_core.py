@@ -93,8 +93,8 @@ def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path
     loaded = {n.replace(f".{adapter}.", ".default."): p for n, p in stock.unet.named_parameters() if "lora_" in n}
     ours = {n: p for n, p in pipe.unet.named_parameters() if "lora_" in n}
     assert loaded.keys() == ours.keys()
-    for n in ours:
-        torch.testing.assert_close(loaded[n], ours[n])
+    for n, p in ours.items():
+        torch.testing.assert_close(loaded[n], p)
     assert stock.unet.peft_config[adapter].lora_alpha == 8
 
 

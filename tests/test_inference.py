@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from refl_ddpo import compare, generate
-from refl_ddpo.config import parse_config
 from refl_ddpo.compare import compare_runs, paired_bootstrap_ci
+from refl_ddpo.config import parse_config
 from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.generate import LoraInferenceConfig, generate_batch
 from refl_ddpo.lora import add_lora, save_lora

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import ClassVar
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
@@ -17,9 +18,9 @@ class StableDiffusion(ModelFamily):
     name = "sd"
     pipeline_class = "StableDiffusionPipeline"
     network_name = "unet"
-    lora_target_modules = ["to_q", "to_k", "to_v", "to_out.0"]
+    lora_target_modules: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     # Only schedulers whose step returns pred_original_sample, which the loop reads (PNDM and DPM-Solver do not).
-    schedulers = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}
+    schedulers: ClassVar[dict[str, str]] = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:

@@ -27,10 +27,11 @@ class DDPOConfig(CommonConfig):
         "imagereward).",
         group="reward and prompts",
     )
-    prompt_fn: Literal["imagenet_animals", "simple_animals", "from_file"] | None = field_(
+    prompt_fn: Literal["imagenet_animals", "simple_animals", "toy_world_train", "from_file"] | None = field_(
         None,
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
-        "animals) or from_file (--prompts_file); default from_file when --prompts_file is given, else "
+        "animals), toy_world_train (the toy world's 12 training prompts) or from_file (--prompts_file); default "
+        "from_file when --prompts_file is given, else "
         "imagenet_animals.",
     )
     sample_num_steps: int = field_(50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling")
