@@ -1,5 +1,5 @@
-"""benchmarks/bench.py: the real-size configs give SD v1.5's parameter counts, and a minimal run of every case
-writes valid results (no timing is asserted)."""
+"""benchmarks/ (bench.py, the CLI, and its modules): the real-size configs give SD v1.5's parameter counts, and a
+minimal run of every case writes valid results (no timing is asserted)."""
 
 import dataclasses
 import importlib.util
@@ -10,24 +10,29 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.config import BenchConfig
+from benchmarks.models import parameter_counts, real_configs
+from benchmarks.sweep import _VARIANT_FIELDS, child_flags
+from refl_ddpo.config import parse_config
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks" / "bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
+    """The CLI script, loaded from its file (it is run as a script, not imported as a package module)."""
     spec = importlib.util.spec_from_file_location("bench", BENCH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = module  # dataclasses resolve the module's annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
 
-def test_real_configs_have_sd15_and_imagereward_parameter_counts(bench):
+def test_real_configs_have_sd15_and_imagereward_parameter_counts():
     # Built on the meta device: no memory, no init. Counts of the released checkpoints' architectures:
     # SD v1.5 UNet 859,520,964; VAE 83,653,863; CLIP ViT-L/14 text 123,060,480; BLIP ViT-L/16 without head
     # 303,301,632; BLIP's BERT-base with cross-attention to 1024-wide image tokens 141,977,088; ImageReward's MLP.
-    counts = bench.parameter_counts(bench.real_configs())
+    counts = parameter_counts(real_configs())
     assert counts == {
         "unet": 859_520_964,
         "vae": 83_653_863,
@@ -38,9 +43,9 @@ def test_real_configs_have_sd15_and_imagereward_parameter_counts(bench):
     }
 
 
-def test_sweep_children_get_the_parents_workload_flags(bench):
-    cfg = bench.parse_config(
-        bench.BenchConfig,
+def test_sweep_children_get_the_parents_workload_flags():
+    cfg = parse_config(
+        BenchConfig,
         [
             "--tiny",
             "--device",
@@ -56,8 +61,8 @@ def test_sweep_children_get_the_parents_workload_flags(bench):
             "x",
         ],
     )
-    child = bench.parse_config(bench.BenchConfig, bench.child_flags(cfg) + ["--out", "y"])
-    variant = bench._VARIANT_FIELDS | {"out", "sweep"}
+    child = parse_config(BenchConfig, child_flags(cfg) + ["--out", "y"])
+    variant = _VARIANT_FIELDS | {"out", "sweep"}
     assert {k: v for k, v in dataclasses.asdict(child).items() if k not in variant} == {
         k: v for k, v in dataclasses.asdict(cfg).items() if k not in variant
     }

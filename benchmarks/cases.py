@@ -1,0 +1,287 @@
+"""What is measured: each case's `setup(bench) -> (run, models)` builds what the kit's trainers build, and `run()`
+does one timed unit of work through the kit's own functions (`models`: the modules whose gradient checkpointing
+the FLOP count switches off)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.config import BenchConfig
+from benchmarks.models import Bench
+
+
+@dataclass
+class Case:
+    name: str  # e.g. "refl lora b1"
+    bench: str  # one of config.CASES
+    unit: str  # what one run is
+    images: int  # images per run (for the per-image column)
+    settings: dict
+    setup: Callable[[Bench], tuple[Callable[[], torch.Tensor], dict]]
+
+
+def refl_case(mode: str, batch: int) -> Case:
+    """One optimizer step of refl_ddpo.trainers.refl (its inner loop without logging), k fixed."""
+
+    def setup(b: Bench):
+        from refl_ddpo.trainers.refl import refl_step
+
+        base_unet, params = b.trainable_unet(mode)
+        family = b.family(base_unet)
+        scheduler = family.scheduler("DDPMScheduler")  # the ReFL trainer's default rollout sampler (ReFL.py's)
+        reward_model = b.build("reward")
+        unet, optimizer = b.prepare(base_unet, params, None)
+        b.finish(unet, family.vae, reward_model)
+        reward, acc, k = b.imagereward(reward_model), b.accelerator, b.cfg.refl_k
+        unet.train()
+
+        def run():
+            prompts, metadata = b.prompts(batch)
+            with acc.accumulate(unet):
+                cond, _ = family.encode_prompts(prompts, with_negative=False)
+                noise = family.initial_noise(batch, b.resolution, b.generator, cond["prompt_embeds"].dtype)
+                out = refl_step(
+                    family,
+                    scheduler,
+                    reward,
+                    cond,
+                    None,
+                    prompts,
+                    metadata,
+                    noise,
+                    k,
+                    num_inference_steps=b.cfg.refl_steps,
+                    guidance_scale=1.0,
+                    grad_scale=b.cfg.grad_scale,
+                    generator=b.generator,
+                    network=unet,
+                )
+                acc.backward(out.loss)
+                acc.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return out.loss.detach()
+
+        return run, {"unet": base_unet, "vae": family.vae, "reward": reward_model}
+
+    return Case(
+        f"refl {mode} b{batch}", "refl", "optimizer step", batch, {"mode": mode, "batch": batch}, setup
+    )
+
+
+def _ddpo_setup(b: Bench):
+    """The DDPO trainer's models: the family with a DDIM scheduler, LoRA UNet prepared with its optimizer, and the
+    empty prompt's conditioning (batch 1)."""
+    from refl_ddpo.trainers.ddpo_config import num_train_timesteps
+
+    config = b.ddpo_config()
+    base_unet, params = b.trainable_unet("lora", config)
+    family = b.family(base_unet)
+    scheduler = family.scheduler("DDIMScheduler")
+    family.pipe.scheduler = scheduler
+    unet, optimizer = b.prepare(
+        base_unet, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
+    )
+    b.finish(unet, family.vae)
+    uncond, _ = family.encode_prompts([""], with_negative=False)
+    return config, family, scheduler, unet, optimizer, params, uncond
+
+
+def _pixel_mean_reward():
+    """A stand-in reward for DDPO timing (JPEG size, aesthetic or ImageReward would add their own cost)."""
+    from refl_ddpo.rewards import Reward
+
+    return Reward("pixel_mean", lambda images, prompts, metadata: (images.mean(dim=(1, 2, 3)), {}), False)
+
+
+def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward):
+    """refl_ddpo.trainers.ddpo.sample_epoch for the one batch of `config`, as the DDPO trainer calls it."""
+    from refl_ddpo.trainers.ddpo import sample_epoch
+
+    return sample_epoch(
+        family,
+        scheduler,
+        prompt_fn,
+        reward,
+        uncond,
+        batch_size=config.sample_batch_size,
+        num_batches=config.sample_num_batches_per_epoch,
+        num_steps=config.sample_num_steps,
+        guidance_scale=config.sample_guidance_scale,
+        eta=config.sample_eta,
+        resolution=config.resolution,
+        generator=b.generator,
+        network=unet,
+        autocast=b.accelerator.autocast,
+    )
+
+
+def ddpo_sample_case(batch: int) -> Case:
+    """refl_ddpo.trainers.ddpo.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode."""
+
+    def setup(b: Bench):
+        config, family, scheduler, unet, _, _, uncond = _ddpo_setup(b)
+        reward = _pixel_mean_reward()
+
+        def run():
+            unet.eval()
+            return _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, reward)[0].images
+
+        return run, {"unet": family.network, "vae": family.vae}
+
+    return Case(f"ddpo_sample b{batch}", "ddpo_sample", "sampled batch", batch, {"batch": batch}, setup)
+
+
+def ddpo_train_case(batch: int, micro: int) -> Case:
+    """refl_ddpo.trainers.ddpo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip."""
+
+    def setup(b: Bench):
+        from refl_ddpo.trainers.ddpo import collect_rewards, stack_samples, train_on_samples
+        from refl_ddpo.trainers.ddpo_config import num_train_timesteps
+
+        config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b)
+        # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
+        batches = _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, _pixel_mean_reward())
+        collect_rewards(batches)
+        advantages = torch.randn(batch, generator=b.generator).clamp(-5, 5)  # (B,)
+        samples = stack_samples(batches, advantages)
+        del batches
+        train_uncond = uncond if config.train_cfg and config.sample_guidance_scale > 1.0 else None
+
+        def run():
+            steps = train_on_samples(
+                family,
+                unet,
+                scheduler,
+                samples,
+                train_uncond,
+                b.accelerator,
+                optimizer,
+                params,
+                b.generator,
+                num_steps=config.sample_num_steps,
+                batch_size=config.train_batch_size,
+                num_train_steps=num_train_timesteps(config),
+                guidance_scale=config.sample_guidance_scale,
+                eta=config.sample_eta,
+                clip_range=config.train_clip_range,
+                kl_weight=config.kl_weight,
+                max_grad_norm=config.max_grad_norm,
+            )
+            return torch.tensor([s["loss"] for s in steps])
+
+        return run, {"unet": family.network}
+
+    return Case(
+        f"ddpo_train b{batch}",
+        "ddpo_train",
+        "training pass",
+        batch,
+        {"batch": batch, "micro_batch": micro},
+        setup,
+    )
+
+
+def inference_case(batch: int) -> Case:
+    """refl_ddpo.generate.generate_batch: text encoder, 50 DDIM steps with CFG, decode (weights in dtype)."""
+
+    def setup(b: Bench):
+        from refl_ddpo.generate import generate_batch
+
+        family = b.family(b.build("unet"))
+        family.pipe.scheduler = family.scheduler("DDIMScheduler")  # as load_inference_family sets --scheduler ddim
+        b.finish(family.network, family.vae)
+        prompt_fn = b.prompt_fn
+
+        def run():
+            prompts = [prompt_fn()[0] for _ in range(batch)]
+            seeds = torch.randint(2**31, (batch,), generator=b.generator).tolist()
+            return generate_batch(
+                family,
+                prompts,
+                seeds,
+                b.resolution,
+                b.cfg.inference_steps,
+                b.cfg.inference_guidance_scale,
+                eta=0.0,
+            )
+
+        return run, {"unet": family.network, "vae": family.vae}
+
+    return Case(f"inference b{batch}", "inference", "batch", batch, {"batch": batch}, setup)
+
+
+def forward_case(name: str) -> Case:
+    """One no-grad forward of one model: that the architecture builds and runs, and what it costs."""
+
+    def setup(b: Bench):
+        model = b.build(name)
+        b.finish(**({name: model} if name in ("unet", "vae", "reward") else {}))
+        side = b.resolution // b.vae_scale_factor
+        gen, dev, dt = b.generator, b.device, b.dtype
+
+        def run():
+            with torch.no_grad():
+                if name == "unet":
+                    shape = (1, b.configs["unet"]["in_channels"], side, side)
+                    states = torch.randn(
+                        1,
+                        b.configs["text_encoder"]["max_position_embeddings"],
+                        b.configs["unet"]["cross_attention_dim"],
+                        generator=gen,
+                    )
+                    return model(
+                        torch.randn(shape, generator=gen).to(dev, dt),
+                        999,
+                        encoder_hidden_states=states.to(dev, dt),
+                        return_dict=False,
+                    )[0]
+                if name == "vae":
+                    latents = torch.randn(1, b.configs["vae"]["latent_channels"], side, side, generator=gen)
+                    return model.decode(latents.to(dev, dt), return_dict=False)[0]
+                if name == "text_encoder":
+                    ids = b.clip_tokenizer(
+                        b.prompts(1)[0],
+                        padding="max_length",
+                        max_length=77,
+                        truncation=True,
+                        return_tensors="pt",
+                    ).input_ids
+                    return model(ids.to(dev))[0]
+                ids, mask = model.tokenize(b.prompts(1)[0])
+                pixels = torch.rand(1, 3, model.image_size, model.image_size, generator=gen)
+                return model(ids, mask, pixels.to(dev))
+
+        return run, {name: model}
+
+    return Case(f"forward {name}", "forward", "forward", 1, {"model": name}, setup)
+
+
+def make_cases(cfg: BenchConfig) -> list[Case]:
+    cases: list[Case] = []
+    for bench in cfg.cases:
+        if bench == "refl":
+            cases += [refl_case(m, bs) for m in cfg.refl_modes for bs in cfg.refl_batch_sizes]
+        elif bench == "ddpo_sample":
+            cases.append(ddpo_sample_case(cfg.ddpo_sample_batch_size))
+        elif bench == "ddpo_train":
+            cases.append(ddpo_train_case(cfg.ddpo_sample_batch_size, cfg.ddpo_train_batch_size))
+        elif bench == "inference":
+            cases += [inference_case(bs) for bs in cfg.inference_batch_sizes]
+        elif bench == "forward":
+            cases += [forward_case(n) for n in ("unet", "vae", "text_encoder", "reward")]
+    for case in cases:  # the step counts of this config, for the JSON
+        if case.bench == "refl":
+            case.settings.update(
+                steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm"
+            )
+        elif case.bench.startswith("ddpo"):
+            case.settings.update(steps=cfg.ddpo_steps, guidance_scale=cfg.ddpo_guidance_scale, eta=1.0)
+        elif case.bench == "inference":
+            case.settings.update(
+                steps=cfg.inference_steps, guidance_scale=cfg.inference_guidance_scale, eta=0.0
+            )
+    return cases

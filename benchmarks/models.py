@@ -1,0 +1,254 @@
+"""The models the benchmark runs: built from config files with random weights (speed and memory do not depend on
+the values), at the real SD v1.5 / ImageReward size or at refl_ddpo.tiny's, and set up as the trainers set them up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from benchmarks.config import BenchConfig
+from refl_ddpo.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+REAL_CONFIG_FILES = {
+    "unet": "sd15_unet.json",
+    "vae": "sd15_vae.json",
+    "text_encoder": "sd15_text_encoder.json",
+    "reward": "imagereward_med_config.json",
+}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def real_configs() -> dict[str, dict]:
+    """{'unet', 'vae', 'text_encoder', 'reward'} -> the SD v1.5 / ImageReward configs kept in benchmarks/configs."""
+    return {name: _read_json(CONFIG_DIR / f) for name, f in REAL_CONFIG_FILES.items()}
+
+
+def model_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
+    """The real configs, or refl_ddpo.tiny's. Writes the tiny models into `workdir` either way (a few MB, seconds):
+    their tokenizers serve both sizes."""
+    from refl_ddpo.rewards import imagereward
+    from refl_ddpo.tiny import write_tiny_stable_diffusion
+
+    sd = write_tiny_stable_diffusion(workdir)
+    imagereward.write_tiny(workdir)
+    if not tiny:
+        return real_configs()
+    return {
+        "unet": _read_json(sd / "unet" / "config.json"),
+        "vae": _read_json(sd / "vae" / "config.json"),
+        "text_encoder": _read_json(sd / "text_encoder" / "config.json"),
+        "reward": _read_json(workdir / imagereward.MED_CONFIG_FILE),
+    }
+
+
+def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
+    """One model with freshly initialised random weights, on the current default device (a `torch.device` context:
+    meta for counting parameters, the GPU to skip a slow CPU init). `tokenizer`: ImageReward's BERT tokenizer."""
+    if name == "unet":
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel.from_config(config)
+    if name == "vae":
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL.from_config(config)
+    if name == "text_encoder":
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        return CLIPTextModel(CLIPTextConfig(**config, attn_implementation=attention))
+    if name == "reward":
+        from refl_ddpo.rewards.imagereward import ImageRewardModel
+
+        model = ImageRewardModel(config, tokenizer)  # the tokenizer only serves `tokenize`
+        # The model skips timm's init (a checkpoint replaces it), which leaves cls_token / pos_embed as torch.empty
+        # garbage (NaN seen): draw timm's own init instead.
+        model.blip.visual_encoder.init_weights()
+        return model
+    raise ValueError(name)
+
+
+def parameter_counts(configs: dict[str, dict]) -> dict[str, int]:
+    """Parameters of each model, built on the meta device (no memory, no init)."""
+    counts = {}
+    with torch.device("meta"):
+        for name, config in configs.items():
+            model = construct(name, config)
+            counts[name] = sum(p.numel() for p in model.parameters())
+            if name == "reward":
+                counts["reward.vision"] = sum(p.numel() for p in model.blip.visual_encoder.parameters())
+                counts["reward.text"] = sum(p.numel() for p in model.blip.text_encoder.parameters())
+    return counts
+
+
+def set_checkpointing(enable: bool, unet=None, vae=None, reward=None) -> None:
+    for model in (unet, vae):
+        if model is not None:
+            model.enable_gradient_checkpointing() if enable else model.disable_gradient_checkpointing()
+    if reward is not None:
+        reward.set_gradient_checkpointing(enable)
+
+
+class Bench:
+    """Device, dtype, options, configs and tokenizers of one run; builds models and model families as the trainers
+    do."""
+
+    def __init__(self, cfg: BenchConfig, configs: dict[str, dict], workdir: Path):
+        from transformers import BertTokenizer, CLIPTokenizer
+
+        from refl_ddpo.config import CommonConfig
+        from refl_ddpo.prompts import get_prompt_fn
+        from refl_ddpo.rewards import imagereward
+        from refl_ddpo.training import make_accelerator
+
+        self.cfg = cfg
+        self.dtype = cfg.resolved_dtype
+        self.configs = configs
+        self.resolution = cfg.resolution or (32 if cfg.tiny else 512)
+        self.vae_scale_factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
+        if self.resolution % self.vae_scale_factor:
+            raise UserError(
+                f"--resolution {self.resolution} must be a multiple of the VAE scale factor "
+                f"{self.vae_scale_factor}."
+            )
+        # The trainers' accelerator (autocast in the prepared UNet's forward, backward, clipping, accumulation).
+        mixed = {torch.float32: "no", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        self.common = CommonConfig(
+            mixed_precision=mixed,
+            report_to="none",
+            output_dir=str(workdir),
+            device="cpu" if cfg.resolved_device.type == "cpu" else None,
+            allow_tf32=cfg.tf32,
+            lora_rank=cfg.lora_rank,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+        )
+        self.accelerator = make_accelerator(self.common, 1)
+        self.device = self.accelerator.device
+        if self.device.type == "cuda":  # make_accelerator only ever switches TF32 on
+            torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.tf32
+        # Tokenizers of the tiny models (no hub access): CLIP pads to 77 and ImageReward to 35 tokens whatever the
+        # vocabulary, so the models see the shapes the real tokenizers give; ids stay inside the real vocabularies.
+        self.clip_tokenizer = CLIPTokenizer.from_pretrained(workdir / "stable-diffusion" / "tokenizer")
+        self.bert_tokenizer = BertTokenizer.from_pretrained(workdir / imagereward.TOKENIZER_DIR)
+        torch.manual_seed(cfg.seed)  # the random weights
+        # CPU generators, as the trainers use (noise is drawn on the CPU and copied to the device).
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        # ddpo-pytorch's prompt source: a new prompt for every image of every run.
+        self.prompt_fn = get_prompt_fn("imagenet_animals", seed=cfg.seed)
+
+    # ---- models ----
+
+    def build(self, name: str):
+        """A frozen model in `dtype` on the device, with attention / channels_last as asked."""
+        with torch.device(self.device):
+            model = construct(name, self.configs[name], self.cfg.attention, self.bert_tokenizer)
+        model.requires_grad_(False).eval()
+        model.to(dtype=self.dtype)
+        if name in ("unet", "vae"):
+            if self.cfg.attention == "eager":
+                from diffusers.models.attention_processor import AttnProcessor
+
+                model.set_attn_processor(AttnProcessor())
+            if self.cfg.channels_last:
+                model.to(memory_format=torch.channels_last)
+        if name == "reward" and self.cfg.attention == "eager":
+            for module in model.modules():  # timm's Attention: explicit matmul-softmax instead of SDPA
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = False
+        return model
+
+    def family(self, unet):
+        """The Stable Diffusion family around `unet` with a fresh VAE and text encoder: what `load_family` gives for
+        an SD v1.x folder (its PNDM scheduler config; callers take DDIM / DDPM from it with `family.scheduler`)."""
+        from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+        from refl_ddpo.families.sd import StableDiffusion
+        from refl_ddpo.tiny import SD_SCHEDULER_CONFIG
+
+        return StableDiffusion(
+            StableDiffusionPipeline(
+                unet=unet,
+                vae=self.build("vae"),
+                text_encoder=self.build("text_encoder"),
+                tokenizer=self.clip_tokenizer,
+                scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+                safety_checker=None,
+                feature_extractor=None,
+                requires_safety_checker=False,
+            )
+        )
+
+    def trainable_unet(self, mode: str, config=None) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+        """The UNet as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on a frozen base in dtype
+        (adapters fp32), or all of it in fp32; gradient checkpointing if asked."""
+        from refl_ddpo.training import make_trainable
+
+        unet = self.build("unet")
+        config = dataclasses.replace(
+            config or self.common,
+            use_lora=mode == "lora",
+            lora_rank=self.cfg.lora_rank,
+            gradient_checkpointing=self.cfg.gradient_checkpointing,
+        )
+        return unet, make_trainable(unet, config)
+
+    def prepare(self, unet, params, config, gradient_accumulation_steps: int = 1):
+        """The trainers' `make_optimizer` + `accelerator.prepare(unet, optimizer)`."""
+        from refl_ddpo.training import make_optimizer
+
+        self.accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+        return self.accelerator.prepare(unet, make_optimizer(params, config or self.common))
+
+    def finish(self, unet=None, vae=None, reward=None) -> None:
+        """VAE / reward gradient checkpointing and torch.compile, last (after LoRA and prepare)."""
+        if self.cfg.gradient_checkpointing:
+            set_checkpointing(True, None, vae, reward)  # the UNet's is make_trainable's
+        if self.cfg.compile:
+            for module in (unet, vae.decoder if vae is not None else None, reward):
+                if module is not None:
+                    module.compile()
+
+    def imagereward(self, model):
+        """The ReFL trainer's reward function around `model` (as `refl_ddpo.rewards.build_reward` makes it)."""
+        from refl_ddpo.rewards import Reward
+        from refl_ddpo.rewards.imagereward import reward_from_model
+
+        return Reward("imagereward", reward_from_model(model), differentiable=True)
+
+    def prompts(self, batch: int) -> tuple[list[str], list[dict]]:
+        """The next `batch` prompts (and metadata) of the run's prompt source."""
+        prompts, metadata = zip(*(self.prompt_fn() for _ in range(batch)))
+        return list(prompts), list(metadata)
+
+    def ddpo_config(self):
+        """The DDPO trainer's config for one sampled batch and one training pass over it (one optimizer step)."""
+        from refl_ddpo.trainers.ddpo_config import DDPOConfig
+
+        c = self.cfg
+        return DDPOConfig(
+            sample_batch_size=c.ddpo_sample_batch_size,
+            sample_num_batches_per_epoch=1,
+            sample_num_steps=c.ddpo_steps,
+            sample_guidance_scale=c.ddpo_guidance_scale,
+            sample_eta=1.0,
+            train_batch_size=c.ddpo_train_batch_size,
+            train_gradient_accumulation_steps=c.ddpo_sample_batch_size // c.ddpo_train_batch_size,
+            train_timestep_fraction=1.0,
+            train_cfg=True,
+            resolution=self.resolution,
+            mixed_precision=self.common.mixed_precision,
+            report_to="none",
+            output_dir=self.common.output_dir,
+            device=self.common.device,
+            allow_tf32=c.tf32,
+            lora_rank=c.lora_rank,
+            gradient_checkpointing=c.gradient_checkpointing,
+        )
