@@ -19,12 +19,21 @@ steps (about 0.1 s each on one core) to denoise a toy latent distribution, smoot
 from sample to sample. Its images differ in how much detail they have, from flat to busy, as real SD's do, so a
 reward on detail (JPEG size) has something to select: DDPO's test of learning runs on it. A random UNet's images are
 all equally noisy (JPEG sizes within a few bytes of each other), and no policy gradient can be seen on them.
+
+    python -m refl_ddpo.tiny OUT --toy_world
+
+also writes the toy world (refl_ddpo.toy_world: coloured shapes on grey, prompts "a {colour} {shape}"):
+OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect) and
+OUT/toy_classifier.{safetensors,json} (the toy_classifier reward's CNN), copied from the weights committed under
+refl_ddpo/data/toy_world/ after checking their SHA256SUMS (a mismatch exits 2). `--rebuild_toy_world` trains them
+from scratch instead (refl_ddpo.toy_build; about 20 minutes on one core; same weights only on the same CPU kind).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -154,17 +163,40 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     return out
 
 
+def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
+    """OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json}: the committed toy world (checked against SHA256SUMS),
+    or retrained from scratch with `rebuild`. Returns OUT/toy-sd."""
+    from refl_ddpo import toy_world
+
+    return toy_world.write_toy_world(out, rebuild=rebuild)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="Folder to write (created if missing).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--denoiser_steps", type=int, default=0,
                         help="Also write OUT/stable-diffusion-denoiser, trained this many steps (e.g. 800).")
+    parser.add_argument("--toy_world", action="store_true",
+                        help="Also write the toy world: OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json} "
+                             "(copied from the committed, checksummed weights).")
+    parser.add_argument("--rebuild_toy_world", action="store_true",
+                        help="With --toy_world (implied): retrain the toy world from scratch instead of copying "
+                             "(slow, about 20 minutes on one core).")
     args = parser.parse_args(argv)
     if args.denoiser_steps < 0:
         parser.error(f"--denoiser_steps {args.denoiser_steps}: give 0 (none) or a positive number of steps")
     out = write_tiny_models(args.out, args.seed, args.denoiser_steps)
     print(f"tiny random models written to {out} (random weights: outputs are noise, for tests and demos only)")
+    if args.toy_world or args.rebuild_toy_world:
+        from refl_ddpo.errors import UserError
+
+        try:
+            sd = write_toy_world(out, rebuild=args.rebuild_toy_world)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
+        print(f"toy world written: {sd} and {out / 'toy_classifier.safetensors'}")
 
 
 if __name__ == "__main__":

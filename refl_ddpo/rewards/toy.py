@@ -1,0 +1,44 @@
+"""Rewards of the toy world (refl_ddpo.toy_world): coloured shapes on grey, prompts `a {colour} {shape}`.
+
+    toy_color_match   1.0 where the judge finds the shape's mean colour nearest to the prompt's colour, else 0.0;
+                      programmatic, not differentiable; info carries the judge's `dirty` fraction per image
+    toy_classifier    p(prompt's colour) * p(prompt's shape) from the toy classifier's two softmaxes;
+                      differentiable. Reads <model_dir>/toy_classifier.{safetensors,json}, written by
+                      `python -m refl_ddpo.tiny OUT --toy_world`. Images of another size are resized to 32 x 32
+                      (bilinear, antialiased: differentiable).
+
+Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from refl_ddpo import toy_world
+
+
+def toy_color_match(device: torch.device, dtype: torch.dtype, model_dir: str, **options):
+    def reward_fn(images, prompts, metadata):
+        res = toy_world.judge(images, list(prompts))
+        rewards = res["colour_ok"].to(device=device, dtype=torch.float32)
+        return rewards, {"dirty": res["dirty"].to(device)}
+
+    return reward_fn
+
+
+def toy_classifier(device: torch.device, dtype: torch.dtype, model_dir: str, **options):
+    model = toy_world.load_classifier(model_dir, device=device, dtype=dtype)
+
+    def reward_fn(images, prompts, metadata):
+        colour_idx, shape_idx = (t.to(device) for t in toy_world.prompt_indices(list(prompts)))
+        x = images.to(device=device, dtype=dtype)
+        if x.shape[-2:] != (toy_world.SIZE, toy_world.SIZE):
+            x = F.interpolate(x, size=(toy_world.SIZE, toy_world.SIZE), mode="bilinear", align_corners=False,
+                              antialias=x.shape[-1] > toy_world.SIZE)
+        logits_c, logits_s = model(x)
+        p_colour = logits_c.float().softmax(-1).gather(1, colour_idx[:, None])[:, 0]
+        p_shape = logits_s.float().softmax(-1).gather(1, shape_idx[:, None])[:, 0]
+        return (p_colour * p_shape).float(), {"p_colour": p_colour.detach(), "p_shape": p_shape.detach()}
+
+    return reward_fn

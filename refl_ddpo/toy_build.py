@@ -1,0 +1,325 @@
+"""Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
+`torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
+differ in the last bits, which is why the built weights are committed (refl_ddpo/data/toy_world/, see
+refl_ddpo.toy_world). Slow: about 20 minutes on one core (VAE 6, UNet 10, classifier 5-9).
+
+    python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy_classifier.{safetensors,json}, SHA256SUMS
+
+Models:
+    VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
+                autoencoder on rendered images (MSE + 1e-6 KL); `scaling_factor` = 1 / std of its training latents
+    text        the tiny char-level CLIP tokenizer of refl_ddpo.tiny and a random, frozen CLIPTextModel (64 wide)
+    UNet        UNet2DConditionModel, blocks (32, 64), cross-attention at 8 x 8 and in the mid block, epsilon
+                prediction on SD's schedule, trained UNET_STEPS steps on all 18 prompts with 15 % empty prompts
+                (classifier-free guidance); colour words confused in pairs half of the time (CONFUSABLE), so the
+                clean, trained model's colour accuracy is about 50 %.
+    classifier  ToyClassifier (refl_ddpo.toy_world), trained on rendered images with noise, blur, colour jitter and
+                VAE round trips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from refl_ddpo import toy_world as tw
+
+SEED = 0
+VAE_STEPS, VAE_BATCH, VAE_LR = 800, 32, 2e-3
+UNET_STEPS, UNET_BATCH, UNET_LR = 900, 32, 1e-3
+CLASSIFIER_STEPS, CLASSIFIER_BATCH, CLASSIFIER_LR = 1200, 64, 3e-3
+CLASSIFIER_CHANNELS = (16, 24, 32, 32)
+EMPTY_PROMPT_P = 0.15
+# The deliberate imperfection: in the UNet's training captions each colour word stands, half of the time, for its
+# partner colour (the image is drawn in the partner colour), so the base model draws "a red circle" red or magenta
+# about equally (colour accuracy ~50 %, at any guidance scale) while its shapes stay clean. Rewards must teach it
+# the difference; held-out combos share the colour words with the training ones.
+CONFUSABLE = {"red": "magenta", "magenta": "red", "green": "yellow", "yellow": "green", "blue": "cyan",
+              "cyan": "blue"}
+CONFUSE_P = 0.5
+TEXT_HIDDEN = 64
+
+
+def deterministic() -> None:
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
+def _log(msg: str) -> None:
+    print(f"[toy_build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def to_unit(images_u8: torch.Tensor) -> torch.Tensor:
+    return images_u8.float() / 255
+
+
+def make_vae(seed: int = SEED):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=tw.SIZE, norm_num_groups=8,
+    )
+
+
+def train_vae(vae, steps: int = VAE_STEPS, seed: int = SEED, batch: int = VAE_BATCH, lr: float = VAE_LR):
+    """Autoencoder training on rendered images in [-1, 1] (posterior samples, MSE + 1e-6 KL, cosine lr); then
+    sets `scaling_factor` to 1 / std of the posterior samples of 1024 fresh images."""
+    from tqdm.auto import tqdm
+
+    g = torch.Generator().manual_seed(seed + 100)
+    vae.train().requires_grad_(True)
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    for _ in tqdm(range(steps), desc="toy VAE", leave=False):
+        x = to_unit(tw.random_batch(batch, g)[0]) * 2 - 1
+        post = vae.encode(x).latent_dist
+        rec = vae.decode(post.sample(generator=g)).sample
+        loss = F.mse_loss(rec, x) + 1e-6 * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    vae.eval().requires_grad_(False)
+    with torch.no_grad():
+        x = to_unit(tw.random_batch(1024, g)[0]) * 2 - 1
+        z = torch.cat([vae.encode(c).latent_dist.sample(generator=g) for c in x.split(128)])
+    vae.register_to_config(scaling_factor=float(1.0 / z.std()))
+    return vae
+
+
+@torch.no_grad()
+def vae_round_trip(vae, images_unit: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Images in [0, 1] -> encode (posterior sample if a generator is given, else its mode) -> decode -> [0, 1]."""
+    dist = vae.encode(images_unit * 2 - 1).latent_dist
+    z = dist.sample(generator=generator) if generator is not None else dist.mode()
+    return (vae.decode(z).sample / 2 + 0.5).clamp(0, 1)
+
+
+def make_text(seed: int = SEED, folder: Path | None = None):
+    """(tokenizer, text encoder): the tiny char-level CLIP tokenizer of refl_ddpo.tiny, random CLIP text model."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    from refl_ddpo.tiny import _byte_level_vocab
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
+        tokenizer = CLIPTokenizer(str(Path(d) / "vocab.json"), str(Path(d) / "merges.txt"), model_max_length=77,
+                                  pad_token="<|endoftext|>")
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    ))
+    return tokenizer, text_encoder.eval().requires_grad_(False)
+
+
+def make_unet(seed: int = SEED):
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed + 1)
+    return UNet2DConditionModel(
+        sample_size=tw.SIZE // 2, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN, attention_head_dim=8, norm_num_groups=32,
+    )
+
+
+def make_pipeline(vae, tokenizer, text_encoder, unet):
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    from refl_ddpo.tiny import SD_SCHEDULER_CONFIG
+
+    return StableDiffusionPipeline(
+        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def train_unet(pipe, steps: int = UNET_STEPS, seed: int = SEED, batch: int = UNET_BATCH, lr: float = UNET_LR,
+               callback=None) -> None:
+    """Epsilon-prediction training of `pipe.unet` on VAE latents (posterior samples x scaling_factor) of rendered
+    images of all 18 prompts, each caption's colour word replaced by its CONFUSABLE partner with probability
+    CONFUSE_P, and the caption by "" with probability EMPTY_PROMPT_P; lr: 50 warm-up steps, then cosine decay to
+    10 %. `callback(step, unet)` after each step."""
+    from diffusers import DDPMScheduler
+    from tqdm.auto import tqdm
+
+    noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    g = torch.Generator().manual_seed(seed + 200)
+    with torch.no_grad():
+        conds = pipe.encode_prompt(list(tw.PROMPTS) + [""], "cpu", 1, False)[0]  # (19, 77, D)
+    index = {p: i for i, p in enumerate(tw.PROMPTS)}
+    vae, unet, sf = pipe.vae, pipe.unet, pipe.vae.config.scaling_factor
+    unet.train().requires_grad_(True)
+    opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min((i + 1) / 50, 0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps)))
+    for step in tqdm(range(steps), desc="toy UNet", leave=False):
+        images, prompts = tw.random_batch(batch, g)
+        with torch.no_grad():
+            x0 = vae.encode(to_unit(images) * 2 - 1).latent_dist.sample(generator=g) * sf
+        swap = (torch.rand(batch, generator=g) < CONFUSE_P).tolist()
+        captions = []
+        for p, sw in zip(prompts, swap):
+            colour, shape = tw.parse_prompt(p)
+            captions.append(f"a {CONFUSABLE[colour]} {shape}" if sw else p)
+        idx = torch.tensor([index[p] for p in captions])
+        idx = torch.where(torch.rand(batch, generator=g) < EMPTY_PROMPT_P, len(tw.PROMPTS), idx)
+        noise = torch.randn(x0.shape, generator=g)
+        t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), generator=g)
+        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=conds[idx],
+                    return_dict=False)[0]
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(pred, noise).backward()
+        opt.step()
+        sched.step()
+        if callback is not None:
+            callback(step + 1, unet)
+    unet.eval().requires_grad_(False)
+
+
+def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Per-image 3x3 Gaussian blur (sigma [B], 0 = none)."""
+    d = torch.tensor([-1.0, 0.0, 1.0])
+    w1 = torch.exp(-d.view(1, 3) ** 2 / (2 * sigma.clamp(min=1e-3).view(-1, 1) ** 2))
+    w1 = w1 / w1.sum(dim=1, keepdim=True)  # (B, 3)
+    k = (w1[:, :, None] * w1[:, None, :]).repeat_interleave(3, dim=0).unsqueeze(1)  # (B*3, 1, 3, 3)
+    b, c, h, w = x.shape
+    y = F.conv2d(F.pad(x.reshape(1, b * c, h, w), (1, 1, 1, 1), mode="replicate"), k, groups=b * c)
+    return y.view(b, c, h, w)
+
+
+def augment(images_unit: torch.Tensor, g: torch.Generator, vae=None) -> torch.Tensor:
+    """Classifier augmentation: VAE round trip (half of the images, when a VAE is given), blur (sigma 0..1), a
+    per-image brightness/contrast jitter, Gaussian noise (std 0..0.08)."""
+    x = images_unit
+    b = len(x)
+    if vae is not None:
+        pick = torch.rand(b, generator=g) < 0.5
+        if pick.any():
+            x = x.clone()
+            x[pick] = vae_round_trip(vae, x[pick], g)
+    x = _blur(x, torch.rand(b, generator=g))
+    scale = 1 + 0.1 * (torch.rand(b, 1, 1, 1, generator=g) * 2 - 1)
+    shift = 0.05 * (torch.rand(b, 1, 1, 1, generator=g) * 2 - 1)
+    x = (x - 0.5) * scale + 0.5 + shift
+    x = x + torch.randn(x.shape, generator=g) * 0.08 * torch.rand(b, 1, 1, 1, generator=g)
+    return x.clamp(0, 1)
+
+
+def train_classifier(vae=None, steps: int = CLASSIFIER_STEPS, seed: int = SEED, batch: int = CLASSIFIER_BATCH,
+                     lr: float = CLASSIFIER_LR) -> tw.ToyClassifier:
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(seed + 3)
+    model = tw.ToyClassifier(CLASSIFIER_CHANNELS)
+    g = torch.Generator().manual_seed(seed + 300)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    model.train()
+    for _ in tqdm(range(steps), desc="toy classifier", leave=False):
+        images, prompts = tw.random_batch(batch, g)
+        c, s = tw.prompt_indices(prompts)
+        logits_c, logits_s = model(augment(to_unit(images), g, vae))
+        loss = F.cross_entropy(logits_c, c) + F.cross_entropy(logits_s, s)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def classifier_accuracy(model, images_unit: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
+    c, s = tw.prompt_indices(prompts)
+    lc, ls = model(images_unit)
+    return (lc.argmax(1) == c).float().mean().item(), (ls.argmax(1) == s).float().mean().item()
+
+
+def generate(sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guidance: float = 7.5,
+             batch: int = 72) -> tuple[torch.Tensor, list[str]]:
+    """Images [N, 3, 32, 32] in [0, 1] from the stock StableDiffusionPipeline (DDIM, eta 0) loaded from `sd_dir`, for
+    every (seed, prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(str(sd_dir), safety_checker=None)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    jobs = [(s, p) for s in seeds for p in prompts]
+    out = []
+    for i in range(0, len(jobs), batch):
+        chunk = jobs[i:i + batch]
+        gens = [torch.Generator().manual_seed(s) for s, _ in chunk]
+        out.append(pipe([p for _, p in chunk], height=tw.SIZE, width=tw.SIZE, num_inference_steps=steps,
+                        guidance_scale=guidance, eta=0.0, generator=gens, output_type="pt").images)
+    return torch.cat(out).float().cpu(), [p for _, p in jobs]
+
+
+def report(sd_dir, seeds=(1000, 1001, 1002, 1003), steps: int = 50, guidance: float = 7.5) -> dict:
+    """Judge's accuracy and dirty fraction on TRAIN_PROMPTS / HELDOUT_PROMPTS / all for the given seeds."""
+    images, prompts = generate(sd_dir, list(tw.PROMPTS), list(seeds), steps, guidance)
+    res = tw.judge(images, prompts)
+    held = torch.tensor([p in tw.HELDOUT_PROMPTS for p in prompts])
+    ok, dirty = res["colour_ok"].float(), res["dirty"]
+    return {"steps": steps, "guidance": guidance, "n": len(prompts), "accuracy": ok.mean().item(),
+            "accuracy_train": ok[~held].mean().item(), "accuracy_heldout": ok[held].mean().item(),
+            "dirty": dirty.mean().item()}
+
+
+def build_toy_world(out: str | Path, seed: int = SEED, unet_steps: int = UNET_STEPS, sums: bool = False) -> Path:
+    """Train everything and write OUT/toy-sd/, OUT/toy_classifier.{safetensors,json} (and with `sums`
+    OUT/SHA256SUMS of every file under OUT, as committed in refl_ddpo/data/toy_world/). Returns OUT/toy-sd."""
+    deterministic()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    vae = train_vae(make_vae(seed), seed=seed)
+    g = torch.Generator().manual_seed(seed + 900)
+    imgs, prompts = tw.random_batch(256, g)
+    _log(f"VAE trained ({time.time() - t0:.0f} s), scaling_factor {vae.config.scaling_factor:.4f}, round-trip "
+         f"accuracy {tw.colour_accuracy(vae_round_trip(vae, to_unit(imgs)), prompts):.3f}")
+    tokenizer, text_encoder = make_text(seed)
+    pipe = make_pipeline(vae, tokenizer, text_encoder, make_unet(seed))
+    t1 = time.time()
+    train_unet(pipe, unet_steps, seed)
+    _log(f"UNet trained {unet_steps} steps ({time.time() - t1:.0f} s)")
+    pipe.save_pretrained(out / tw.SD_DIRNAME, safe_serialization=True)
+    t2 = time.time()
+    clf = train_classifier(vae, seed=seed)
+    tw.save_classifier(clf, out, CLASSIFIER_CHANNELS)
+    _log(f"classifier trained ({time.time() - t2:.0f} s), accuracy (colour, shape) on rendered images "
+         f"{classifier_accuracy(clf, to_unit(imgs), prompts)}")
+    if sums:
+        tw.write_sums(out)
+    _log(f"toy world written to {out} in {time.time() - t0:.0f} s")
+    return out / tw.SD_DIRNAME
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)
+    parser.add_argument("--report", action="store_true", help="Also print the base model's judged accuracy.")
+    args = parser.parse_args(argv)
+    sd = build_toy_world(args.out, args.seed, args.unet_steps, sums=True)
+    if args.report:
+        for steps in (50, 20):
+            print(json.dumps(report(sd, steps=steps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The toy world: coloured shapes on grey, a tiny Stable Diffusion trained to draw them, and a judge.
+
+Images are 32 x 32 RGB: a uniform grey background (128, 128, 128) and one filled shape (circle, square or
+triangle), 10 to 24 pixels across, fully inside the image, in one of six palette colours. Prompts are exactly
+`a {colour} {shape}` ("a cyan triangle"): 18 of them, split once and for all into 12 TRAIN_PROMPTS and 6
+HELDOUT_PROMPTS (each colour once, each shape twice), also shipped as data/toy_world_{train,heldout}.txt.
+
+The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds on the 0..255 scale (RGB L2):
+    shape pixels   farther than SHAPE_THRESHOLD (40) from the median colour of the image's 1-pixel border ring
+    colour_ok      at least MIN_SHAPE_PIXELS (8) shape pixels, and their mean colour's nearest palette colour is
+                   the prompt's colour
+    dirty          fraction of pixels farther than CLEAN_THRESHOLD (60) from BOTH the nominal background grey
+                   (128, 128, 128, not the border's median: a tinted background is dirty) and the prompt's palette
+                   colour. Rendered images have 0; the base model's soft edges give a few percent.
+
+The base model is deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): its training
+captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so it draws
+"a red ..." red or magenta about equally; see refl_ddpo.toy_build.
+
+The trained models (built by `refl_ddpo.toy_build`, deterministically from seeds, on one CPU thread) are committed
+under refl_ddpo/data/toy_world/ with their SHA256SUMS, so every machine tests on the same weights;
+`write_toy_world(out)` (`python -m refl_ddpo.tiny OUT --toy_world`) copies them after checking the sums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from refl_ddpo.errors import UserError
+
+SIZE = 32
+BACKGROUND = (128, 128, 128)
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 170, 50),
+    "blue": (40, 70, 230),
+    "yellow": (235, 215, 40),
+    "magenta": (215, 40, 215),
+    "cyan": (40, 205, 215),
+}
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+MIN_EXTENT, MAX_EXTENT = 10, 24
+PROMPTS: tuple[str, ...] = tuple(f"a {c} {s}" for c in COLOURS for s in SHAPES)
+# Held out: colour i with shape (i + 1) % 3 -> each colour once, each shape twice.
+HELDOUT_PROMPTS: tuple[str, ...] = tuple(f"a {c} {SHAPES[(i + 1) % 3]}" for i, c in enumerate(COLOURS))
+TRAIN_PROMPTS: tuple[str, ...] = tuple(p for p in PROMPTS if p not in HELDOUT_PROMPTS)
+
+SHAPE_THRESHOLD = 40.0
+MIN_SHAPE_PIXELS = 8
+CLEAN_THRESHOLD = 60.0
+
+DATA_DIR = Path(__file__).resolve().parent / "data" / "toy_world"
+SD_DIRNAME = "toy-sd"
+CLASSIFIER_NAME = "toy_classifier"
+SUMS_NAME = "SHA256SUMS"
+
+_COLOUR_NAMES = tuple(COLOURS)
+_PALETTE = torch.tensor([COLOURS[c] for c in _COLOUR_NAMES], dtype=torch.float32)  # (6, 3)
+
+
+def parse_prompt(prompt: str) -> tuple[str, str]:
+    """'a cyan triangle' -> ('cyan', 'triangle'); anything outside the grammar is a one-line UserError."""
+    words = prompt.strip().lower().split()
+    if len(words) != 3 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES:
+        raise UserError(f"toy world prompt {prompt!r} is not 'a {{colour}} {{shape}}' with colour one of "
+                        f"{', '.join(COLOURS)} and shape one of {', '.join(SHAPES)}")
+    return words[1], words[2]
+
+
+def prompt_indices(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(colour index, shape index) tensors [B] of prompts, indices into COLOURS / SHAPES."""
+    parsed = [parse_prompt(p) for p in prompts]
+    return (torch.tensor([_COLOUR_NAMES.index(c) for c, _ in parsed], dtype=torch.long),
+            torch.tensor([SHAPES.index(s) for _, s in parsed], dtype=torch.long))
+
+
+def render_batch(colour_idx: torch.Tensor, shape_idx: torch.Tensor, generator: torch.Generator,
+                 size: int = SIZE) -> torch.Tensor:
+    """uint8 images (B, 3, size, size) of the given colours / shapes (index tensors [B]); extent and position
+    random from `generator` (extent 10..24 px, shape fully inside). Pixels are exact palette or background colours
+    (a pixel is inside when its centre is)."""
+    n = len(colour_idx)
+    extent = torch.randint(MIN_EXTENT, MAX_EXTENT + 1, (n,), generator=generator)
+    u = torch.rand(n, 2, generator=generator)
+    x0 = (u[:, 0] * (size - extent + 1)).floor().clamp(max=size - extent).view(n, 1, 1)
+    y0 = (u[:, 1] * (size - extent + 1)).floor().clamp(max=size - extent).view(n, 1, 1)
+    s = extent.view(n, 1, 1).float()
+    ys, xs = torch.meshgrid(torch.arange(size) + 0.5, torch.arange(size) + 0.5, indexing="ij")
+    dx, dy = xs - x0, ys - y0  # (n, size, size), in [0, s) inside the bounding box
+    in_box = (dx >= 0) & (dx < s) & (dy >= 0) & (dy < s)
+    circle = (dx - s / 2) ** 2 + (dy - s / 2) ** 2 <= (s / 2) ** 2
+    triangle = in_box & ((dx - s / 2).abs() <= dy / 2)  # apex at the top centre, base along the bottom
+    masks = torch.stack([circle, in_box, triangle], 1)  # (n, 3 shapes, size, size)
+    mask = masks[torch.arange(n), shape_idx.long()]  # (n, size, size)
+    fg = _PALETTE[colour_idx.long()].view(n, 3, 1, 1)
+    bg = torch.tensor(BACKGROUND, dtype=torch.float32).view(1, 3, 1, 1)
+    return torch.where(mask.unsqueeze(1), fg, bg).to(torch.uint8)
+
+
+def render(colour: str, shape: str, generator: torch.Generator, size: int = SIZE) -> torch.Tensor:
+    """One uint8 image (3, size, size) of `colour` `shape`, deterministic from `generator`."""
+    parse_prompt(f"a {colour} {shape}")
+    return render_batch(torch.tensor([_COLOUR_NAMES.index(colour)]), torch.tensor([SHAPES.index(shape)]),
+                        generator, size)[0]
+
+
+def render_prompts(prompts: list[str], generator: torch.Generator, size: int = SIZE) -> torch.Tensor:
+    """uint8 images (B, 3, size, size) drawing each prompt."""
+    c, s = prompt_indices(prompts)
+    return render_batch(c, s, generator, size)
+
+
+def random_batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """n rendered images (uint8) of uniformly drawn prompts, and the prompts."""
+    c = torch.randint(0, len(COLOURS), (n,), generator=generator)
+    s = torch.randint(0, len(SHAPES), (n,), generator=generator)
+    return render_batch(c, s, generator), [f"a {_COLOUR_NAMES[i]} {SHAPES[j]}" for i, j in zip(c, s)]
+
+
+def _to_255(images: torch.Tensor) -> torch.Tensor:
+    if images.dtype == torch.uint8:
+        return images.float()
+    return images.detach().float().clamp(0, 1) * 255
+
+
+@torch.no_grad()
+def judge(images: torch.Tensor, prompts: list[str]) -> dict:
+    """Score images (B, 3, H, W) float in [0, 1] or uint8 against their prompts (see the module doc).
+
+    Returns per-image tensors `colour_ok` (bool), `nearest` (palette index of the shape's mean colour, -1 when
+    there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), and the means
+    `accuracy` and `dirty_mean` (floats)."""
+    x = _to_255(images).cpu()
+    b, _, h, w = x.shape
+    colour_idx, _ = prompt_indices(prompts)
+    ring = torch.ones(h, w, dtype=torch.bool)
+    ring[1:-1, 1:-1] = False
+    border = x[:, :, ring]  # (B, 3, n_ring)
+    bg = border.median(dim=2).values.view(b, 3, 1, 1)
+    shape_mask = (x - bg).norm(dim=1) > SHAPE_THRESHOLD  # (B, H, W)
+    count = shape_mask.sum(dim=(1, 2))
+    mean_colour = (x * shape_mask.unsqueeze(1)).sum(dim=(2, 3)) / count.clamp(min=1).unsqueeze(1)
+    nearest = torch.cdist(mean_colour, _PALETTE).argmin(dim=1)
+    has_shape = count >= MIN_SHAPE_PIXELS
+    nearest = torch.where(has_shape, nearest, torch.full_like(nearest, -1))
+    colour_ok = has_shape & (nearest == colour_idx)
+    grey = torch.tensor(BACKGROUND, dtype=torch.float32).view(1, 3, 1, 1)
+    target = _PALETTE[colour_idx].view(b, 3, 1, 1)
+    dirty_px = ((x - grey).norm(dim=1) > CLEAN_THRESHOLD) & ((x - target).norm(dim=1) > CLEAN_THRESHOLD)
+    dirty = dirty_px.float().mean(dim=(1, 2))
+    return {
+        "colour_ok": colour_ok, "nearest": nearest, "shape_pixels": count, "mean_colour": mean_colour,
+        "dirty": dirty, "accuracy": colour_ok.float().mean().item(), "dirty_mean": dirty.mean().item(),
+    }
+
+
+def colour_accuracy(images: torch.Tensor, prompts: list[str]) -> float:
+    """Fraction of images whose shape's mean colour is nearest to the prompt's colour."""
+    return judge(images, prompts)["accuracy"]
+
+
+class ToyClassifier(nn.Module):
+    """Colour / shape classifier of 32 x 32 images in [0, 1]: conv blocks (3x3 conv, ReLU, 2x2 max-pool after all
+    but the last), global average + max pooling, two linear heads. `forward` -> (colour logits [B, 6], shape
+    logits [B, 3])."""
+
+    def __init__(self, channels: tuple[int, ...] = (16, 24, 32, 32), num_colours: int = 6, num_shapes: int = 3):
+        super().__init__()
+        layers, c_in = [], 3
+        for i, c in enumerate(channels):
+            layers += [nn.Conv2d(c_in, c, 3, padding=1), nn.ReLU()]
+            if i < len(channels) - 1:
+                layers.append(nn.MaxPool2d(2))
+            c_in = c
+        self.features = nn.Sequential(*layers)
+        self.colour_head = nn.Linear(2 * c_in, num_colours)
+        self.shape_head = nn.Linear(2 * c_in, num_shapes)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.features(images * 2 - 1)
+        f = torch.cat([f.mean(dim=(2, 3)), f.amax(dim=(2, 3))], dim=1)
+        return self.colour_head(f), self.shape_head(f)
+
+
+def load_classifier(folder: str | Path, device="cpu", dtype=torch.float32) -> ToyClassifier:
+    """The classifier saved as FOLDER/toy_classifier.{safetensors,json}, in eval mode with frozen weights."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    weights, config = folder / f"{CLASSIFIER_NAME}.safetensors", folder / f"{CLASSIFIER_NAME}.json"
+    if not (weights.is_file() and config.is_file()):
+        raise UserError(f"no toy classifier in {folder} ({weights.name} + {config.name}); write it with "
+                        f"`python -m refl_ddpo.tiny OUT --toy_world` and pass OUT as the model dir")
+    cfg = json.loads(config.read_text())
+    if list(cfg.get("colours", [])) != list(COLOURS) or list(cfg.get("shapes", [])) != list(SHAPES):
+        raise UserError(f"{config}: its colours/shapes are not this toy world's ({', '.join(COLOURS)}; "
+                        f"{', '.join(SHAPES)})")
+    model = ToyClassifier(tuple(cfg["channels"]), len(cfg["colours"]), len(cfg["shapes"]))
+    model.load_state_dict(load_file(str(weights)))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_classifier(model: ToyClassifier, folder: str | Path, channels: tuple[int, ...]) -> None:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+              str(folder / f"{CLASSIFIER_NAME}.safetensors"))
+    (folder / f"{CLASSIFIER_NAME}.json").write_text(json.dumps(
+        {"architecture": "refl_ddpo.toy_world.ToyClassifier", "channels": list(channels), "image_size": SIZE,
+         "colours": list(COLOURS), "shapes": list(SHAPES), "input": "RGB in [0, 1], 32 x 32"}, indent=2) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_sums(folder: Path) -> Path:
+    """FOLDER/SHA256SUMS (`sha256sum` format, sorted relative paths) of every file under folder."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS_NAME)
+    lines = [f"{_sha256(p)}  {p.relative_to(folder).as_posix()}" for p in files]
+    (folder / SUMS_NAME).write_text("\n".join(lines) + "\n")
+    return folder / SUMS_NAME
+
+
+def verify_sums(folder: Path) -> list[str]:
+    """The relative paths listed in FOLDER/SHA256SUMS, after checking each; a missing or changed file is a
+    UserError naming it."""
+    sums = folder / SUMS_NAME
+    if not sums.is_file():
+        raise UserError(f"{sums} is missing: the committed toy world weights are incomplete (reinstall, or "
+                        f"rebuild with `python -m refl_ddpo.tiny OUT --rebuild_toy_world`)")
+    paths = []
+    for line in sums.read_text().splitlines():
+        if not line.strip():
+            continue
+        digest, rel = line.split(maxsplit=1)
+        rel = rel.strip().lstrip("*")
+        p = folder / rel
+        if not p.is_file():
+            raise UserError(f"toy world file {p} listed in {sums} is missing")
+        if _sha256(p) != digest:
+            raise UserError(f"toy world file {p} does not match its SHA256 in {sums} (corrupted or changed)")
+        paths.append(rel)
+    return paths
+
+
+def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path | None = None) -> Path:
+    """OUT/toy-sd/ (a StableDiffusionPipeline folder) and OUT/toy_classifier.{safetensors,json}; returns OUT/toy-sd.
+
+    Copies the committed weights (from `source`, default refl_ddpo/data/toy_world) after checking SHA256SUMS, or with
+    `rebuild` trains everything from scratch (`refl_ddpo.toy_build.build_toy_world`; about 20 minutes on one core)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if rebuild:
+        from refl_ddpo.toy_build import build_toy_world
+
+        build_toy_world(out)
+        return out / SD_DIRNAME
+    src = Path(source) if source is not None else DATA_DIR
+    for rel in verify_sums(src):
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, dst)
+    return out / SD_DIRNAME

@@ -1,0 +1,174 @@
+"""The toy world: palette and grammar, renderer, judge, committed weights (checksums, copy), VAE, classifier and its
+rewards, and the base model's deliberately middling colour accuracy."""
+
+import shutil
+
+import pytest
+import torch
+
+from refl_ddpo import toy_world as tw
+from refl_ddpo.errors import UserError
+
+SD = tw.DATA_DIR / tw.SD_DIRNAME
+
+
+def _rendered(n=72, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tw.PROMPTS[i % len(tw.PROMPTS)] for i in range(n)]
+    return tw.render_prompts(prompts, g), prompts
+
+
+def test_palette_and_grammar():
+    assert tw.COLOURS == {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 70, 230),
+                          "yellow": (235, 215, 40), "magenta": (215, 40, 215), "cyan": (40, 205, 215)}
+    assert tw.SHAPES == ("circle", "square", "triangle")
+    assert len(set(tw.PROMPTS)) == 18 and "a cyan triangle" in tw.PROMPTS
+    assert len(tw.TRAIN_PROMPTS) == 12 and len(tw.HELDOUT_PROMPTS) == 6
+    assert set(tw.TRAIN_PROMPTS) | set(tw.HELDOUT_PROMPTS) == set(tw.PROMPTS)
+    assert not set(tw.TRAIN_PROMPTS) & set(tw.HELDOUT_PROMPTS)
+    held = [tw.parse_prompt(p) for p in tw.HELDOUT_PROMPTS]
+    assert sorted(c for c, _ in held) == sorted(tw.COLOURS)
+    assert all(sum(s == shape for _, s in held) == 2 for shape in tw.SHAPES)
+    data = tw.DATA_DIR.parent
+    assert (data / "toy_world_train.txt").read_text().split("\n")[:12] == list(tw.TRAIN_PROMPTS)
+    assert (data / "toy_world_heldout.txt").read_text().split("\n")[:6] == list(tw.HELDOUT_PROMPTS)
+    assert tw.parse_prompt("a cyan triangle") == ("cyan", "triangle")
+    for bad in ("a purple circle", "a red hexagon", "red circle", "a big red circle", ""):
+        with pytest.raises(UserError) as e:
+            tw.parse_prompt(bad)
+        assert "\n" not in str(e.value)
+
+
+def test_render_is_deterministic_and_crisp():
+    a = tw.render("red", "circle", torch.Generator().manual_seed(3))
+    b = tw.render("red", "circle", torch.Generator().manual_seed(3))
+    assert a.dtype == torch.uint8 and a.shape == (3, 32, 32) and torch.equal(a, b)
+    images, _ = _rendered(180, seed=1)
+    allowed = torch.tensor([tw.BACKGROUND, *tw.COLOURS.values()])
+    px = images.permute(0, 2, 3, 1).reshape(-1, 3)
+    assert ((px[:, None, :] == allowed[None]).all(-1).any(-1)).all()
+    fg = (images != 128).any(1)
+    for img, mask in zip(images, fg):
+        ys, xs = mask.nonzero(as_tuple=True)
+        extent = max(ys.max() - ys.min(), xs.max() - xs.min()) + 1
+        assert 9 <= extent <= 24
+
+
+def test_judge_on_rendered_wrong_colour_and_tinted_background():
+    images, prompts = _rendered()
+    res = tw.judge(images, prompts)
+    assert res["accuracy"] == 1.0 and res["dirty_mean"] == 0.0
+    assert tw.colour_accuracy(images.float() / 255, prompts) == 1.0
+    wrong = [tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18] for p in prompts]  # next colour, same shape
+    assert tw.judge(images, wrong)["accuracy"] == 0.0
+    tinted = images.float()
+    bg = (images == 128).all(1, keepdim=True)
+    tinted = torch.where(bg, tinted + torch.tensor([60.0, -30.0, -30.0]).view(1, 3, 1, 1), tinted) / 255
+    res = tw.judge(tinted, prompts)
+    assert res["accuracy"] == 1.0 and res["dirty_mean"] > 0.4
+    blank = torch.full((2, 3, 32, 32), 0.5)
+    assert not tw.judge(blank, ["a red circle", "a blue square"])["colour_ok"].any()
+
+
+def test_committed_files_match_sha256sums():
+    listed = tw.verify_sums(tw.DATA_DIR)
+    present = {p.relative_to(tw.DATA_DIR).as_posix() for p in tw.DATA_DIR.rglob("*") if p.is_file()}
+    assert set(listed) == present - {tw.SUMS_NAME}
+    assert {"toy_classifier.safetensors", "toy_classifier.json", "toy-sd/model_index.json"} <= set(listed)
+    assert sum((tw.DATA_DIR / p).stat().st_size for p in listed) < 8e6
+
+
+def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
+    from refl_ddpo import tiny
+
+    sd = tiny.write_toy_world(tmp_path / "ok")
+    assert sd == tmp_path / "ok" / "toy-sd" and (sd / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (tmp_path / "ok" / "toy_classifier.safetensors").is_file()
+    bad = tmp_path / "bad_src"
+    shutil.copytree(tw.DATA_DIR, bad)
+    with open(bad / "toy_classifier.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(UserError, match="toy_classifier.safetensors"):
+        tw.write_toy_world(tmp_path / "x", source=bad)
+    # the CLI: a mismatch is one line and exit 2 (random models skipped to keep this fast)
+    monkeypatch.setattr(tw, "DATA_DIR", bad)
+    monkeypatch.setattr(tiny, "write_tiny_models", lambda out, *a, **k: out)
+    with pytest.raises(SystemExit) as e:
+        tiny.main([str(tmp_path / "cli"), "--toy_world"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "SHA256" in err and "\n" not in err
+
+
+def test_vae_round_trip_keeps_colours():
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(SD / "vae").eval()
+    assert vae.config.scaling_factor > 0
+    images, prompts = _rendered(36, seed=7)
+    with torch.no_grad():
+        x = images.float() / 255 * 2 - 1
+        z = vae.encode(x).latent_dist.mode()
+        assert z.shape == (36, 4, 16, 16)
+        assert 0.5 < (z * vae.config.scaling_factor).std() < 2.0
+        out = (vae.decode(z).sample / 2 + 0.5).clamp(0, 1)
+    res = tw.judge(out, prompts)
+    assert res["accuracy"] >= 0.95 and res["dirty_mean"] < 0.1
+
+
+def test_classifier_and_rewards():
+    from refl_ddpo.rewards.toy import toy_classifier, toy_color_match
+
+    images, prompts = _rendered(seed=5)
+    x = images.float() / 255
+    model = tw.load_classifier(tw.DATA_DIR)
+    with torch.no_grad():
+        lc, ls = model(x)
+    c, s = tw.prompt_indices(prompts)
+    assert (lc.argmax(1) == c).float().mean() >= 0.95 and (ls.argmax(1) == s).float().mean() >= 0.9
+
+    fn = toy_classifier(torch.device("cpu"), torch.float32, str(tw.DATA_DIR))
+    xg = x.clone().requires_grad_(True)
+    r, info = fn(xg, prompts, [{}] * len(prompts))
+    assert r.shape == (72,) and r.dtype == torch.float32 and r.mean() > 0.7
+    r.sum().backward()
+    assert xg.grad is not None and xg.grad.abs().sum() > 0 and torch.isfinite(xg.grad).all()
+    wrong = [tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18] for p in prompts]
+    assert fn(x, wrong, [{}] * 72)[0].mean() < 0.2
+    big = torch.nn.functional.interpolate(x, size=64, mode="nearest").requires_grad_(True)
+    r64, _ = fn(big, prompts, [{}] * 72)
+    assert r64.mean() > 0.6
+    r64.sum().backward()
+    assert big.grad.abs().sum() > 0
+
+    match = toy_color_match(torch.device("cpu"), torch.float32, str(tw.DATA_DIR))
+    r, info = match(x, prompts, [{}] * 72)
+    assert r.dtype == torch.float32 and (r == 1).all() and (info["dirty"] == 0).all()
+    assert (match(x, wrong, [{}] * 72)[0] == 0).all()
+
+    with pytest.raises(UserError, match="--toy_world"):
+        toy_classifier(torch.device("cpu"), torch.float32, "/nonexistent/folder")
+    with pytest.raises(UserError):
+        fn(x[:1], ["a purple circle"], [{}])
+
+
+def test_base_model_is_deliberately_imperfect():
+    """Inference defaults (DDIM 50 steps, eta 0, CFG 7.5, 32 px), stock pipeline, seeds 1000 and 1001 for every
+    prompt (one CPU generator per image): colour accuracy within [0.2, 0.7], so rewards have room to improve it.
+    Committed weights: 0.44 here (0.40 over seeds 1000..1007), dirty about 0.16."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(SD, safety_checker=None)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = list(tw.PROMPTS) * 2
+    gens = [torch.Generator().manual_seed(seed) for seed in (1000, 1001) for _ in tw.PROMPTS]
+    images = pipe(prompts, height=32, width=32, num_inference_steps=50, guidance_scale=7.5, eta=0.0,
+                  generator=gens, output_type="pt").images
+    assert images.shape == (36, 3, 32, 32)
+    res = tw.judge(images, prompts)
+    assert 0.2 <= res["accuracy"] <= 0.7, res["accuracy"]
+    assert res["dirty_mean"] < 0.35
