@@ -51,17 +51,17 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.cases import make_cases  # noqa: E402
-from benchmarks.config import BenchConfig  # noqa: E402
-from benchmarks.flops import run_flops_only  # noqa: E402
-from benchmarks.measure import machine_info, measure  # noqa: E402
-from benchmarks.models import Bench, model_configs, parameter_counts  # noqa: E402
-from benchmarks.report import fmt_s, markdown_table, write_files  # noqa: E402
-from benchmarks.sweep import run_sweep  # noqa: E402
-from refl_ddpo.config import parse_config  # noqa: E402
-from refl_ddpo.errors import cli_main  # noqa: E402
+from benchmarks.cases import make_cases
+from benchmarks.config import BenchConfig
+from benchmarks.flops import run_flops_only
+from benchmarks.measure import machine_info, measure
+from benchmarks.models import Bench, model_configs, parameter_counts
+from benchmarks.report import fmt_s, markdown_table, write_files
+from benchmarks.sweep import run_sweep
+from refl_ddpo.config import parse_config
+from refl_ddpo.errors import cli_main
 
 
 def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:

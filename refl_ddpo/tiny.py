@@ -40,10 +40,11 @@ import torch
 
 # The scheduler settings of the real SD v1.x scheduler_config.json (a PNDM scheduler; trainers switch to DDIM/DDPM
 # with from_config, which keeps betas, steps_offset, set_alpha_to_one and clip_sample).
-SD_SCHEDULER_CONFIG = dict(
-    beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-    set_alpha_to_one=False, skip_prk_steps=True, steps_offset=1, clip_sample=False, trained_betas=None,
-)
+SD_SCHEDULER_CONFIG = {
+    "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
+    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "clip_sample": False,
+    "trained_betas": None,
+}
 
 
 def _byte_level_vocab() -> dict[str, int]:

@@ -273,3 +273,51 @@ def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path |
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src / rel, dst)
     return out / SD_DIRNAME
+
+
+EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1016))  # fixed seeds for before/after on the held-out prompts
+
+
+def evaluate(family, prompts: tuple[str, ...] | list[str] = HELDOUT_PROMPTS, seeds=EVAL_SEEDS,
+             num_inference_steps: int = 20, guidance_scale: float = 7.5) -> dict[str, float]:
+    """Colour accuracy and dirty fraction of a model family's images of `prompts` x `seeds` (one CPU generator per
+    image, the family's current sampler, deterministic with DDIM eta 0): what the learning tests compare."""
+    from refl_ddpo.generate import generate_batch
+
+    all_prompts = [p for p in prompts for _ in seeds]
+    all_seeds = [s for _ in prompts for s in seeds]
+    images = generate_batch(family, all_prompts, all_seeds, SIZE, num_inference_steps, guidance_scale)
+    result = judge(images, all_prompts)
+    return {"accuracy": float(result["colour_ok"].float().mean()), "dirty": float(result["dirty"].float().mean())}
+
+
+def judge_run(run_dir: str | Path) -> dict[str, float]:
+    """Colour accuracy and dirty fraction of an inference run folder (its scores.json records and PNGs)."""
+    import numpy as np
+    from PIL import Image
+
+    run = json.loads((Path(run_dir) / "scores.json").read_text())
+    prompts, images = [], []
+    for record in run["records"]:
+        with Image.open(Path(run_dir) / record["file"]) as im:
+            images.append(torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1))
+        prompts.append(record["prompt"])
+    result = judge(torch.stack(images).float() / 255, prompts)
+    return {"images": len(prompts), "accuracy": float(result["colour_ok"].float().mean()),
+            "dirty": float(result["dirty"].float().mean())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m refl_ddpo.toy_world RUN_DIR [RUN_DIR ...]: the judge's colour accuracy of inference runs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m refl_ddpo.toy_world", description=main.__doc__,
+                                     allow_abbrev=False)
+    parser.add_argument("runs", nargs="+", help="Folders written by inference/inference.py or inference_lora.py.")
+    for run_dir in parser.parse_args(argv).runs:
+        r = judge_run(run_dir)
+        print(f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -133,14 +133,16 @@ def test_classifier_and_rewards():
     fn = toy_classifier(torch.device("cpu"), torch.float32, str(tw.DATA_DIR))
     xg = x.clone().requires_grad_(True)
     r, info = fn(xg, prompts, [{}] * len(prompts))
-    assert r.shape == (72,) and r.dtype == torch.float32 and r.mean() > 0.7
+    # read at temperature 8 (toy.TEMPERATURE): right prompts score well above 1/18, and above every wrong one
+    assert r.shape == (72,) and r.dtype == torch.float32 and r.mean() > 0.5
     r.sum().backward()
     assert xg.grad is not None and xg.grad.abs().sum() > 0 and torch.isfinite(xg.grad).all()
     wrong = [tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18] for p in prompts]
-    assert fn(x, wrong, [{}] * 72)[0].mean() < 0.2
+    r_wrong = fn(x, wrong, [{}] * 72)[0]
+    assert r_wrong.mean() < 0.2 and (r.detach() > r_wrong).all()
     big = torch.nn.functional.interpolate(x, size=64, mode="nearest").requires_grad_(True)
     r64, _ = fn(big, prompts, [{}] * 72)
-    assert r64.mean() > 0.6
+    assert r64.mean() > 0.45
     r64.sum().backward()
     assert big.grad.abs().sum() > 0
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole kit, end to end, in a few minutes on a CPU:
-#   ReFL (LoRA) -> DDPO (LoRA) -> images before and after with ImageReward scores -> a side-by-side comparison.
+#   ReFL (LoRA) -> DDPO (LoRA) -> images before and after -> a side-by-side comparison.
 #
-# With the real weights in checkpoint/ (see checkpoint/README.md) it runs the real recipes instead (a GPU is needed
-# for that to finish in reasonable time). Without them it builds TINY RANDOM MODELS first: their images are noise and
-# their rewards mean nothing; the demo then only shows that every step runs and what each one writes.
+# With the real weights in checkpoint/ (see checkpoint/README.md) it runs the real ReFL recipe instead (a GPU is
+# needed for that to finish in reasonable time). Without them it runs on the toy world: a tiny model that really
+# draws what it is asked (a coloured shape), so the before/after pictures show shapes taking the asked colour.
 #
 #   bash train_scripts/demo.sh            # outputs under outputs/demo/
 #   DEMO_DIR=/tmp/demo bash train_scripts/demo.sh
@@ -24,27 +24,25 @@ if [[ -f checkpoint/stable-diffusion-v1-4/model_index.json && -f checkpoint/Imag
   exit 0
 fi
 
-echo "== no weights in checkpoint/: building TINY RANDOM models in $OUT/models (outputs are noise; this only shows"
-echo "   that every step runs). Put real weights in checkpoint/ (checkpoint/README.md) for the real thing."
-"$PYTHON" -m refl_ddpo.tiny "$OUT/models"
-M="$OUT/models"
-MODEL=(--pretrained_model "$M/stable-diffusion" --resolution 32 --device cpu)
+echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/data/toy_world, committed): a tiny Stable Diffusion"
+echo "   that draws one coloured shape on grey for 'a {colour} {shape}', right about 40 % of the time."
+TOY=refl_ddpo/data/toy_world
+HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
 
-echo "== ReFL: 30 LoRA steps against the tiny ImageReward"
-bash train_scripts/train_refl_lora.sh "${MODEL[@]}" --reward_model_dir "$M" --output_dir "$OUT/refl_lora" \
-  --num_inference_steps 8 --k_lo 4 --k_hi 7 --train_batch_size 2 --learning_rate 3e-2 --max_train_steps 30 \
-  --image_log_steps 10 --checkpointing_steps 15
+echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
+bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora"
 
-echo "== DDPO: 3 epochs of JPEG compressibility"
-bash train_scripts/train_ddpo.sh "${MODEL[@]}" --output_dir "$OUT/ddpo_lora" --reward jpeg_compressibility \
-  --sample_num_steps 8 --sample_batch_size 4 --sample_num_batches_per_epoch 2 --train_batch_size 2 \
-  --learning_rate 3e-3 --num_epochs 3 --per_prompt_stat_tracking_min_count 2
+echo "== DDPO (LoRA) on the programmatic colour reward"
+bash train_scripts/train_ddpo.sh --preset toy_world --device cpu --output_dir "$OUT/ddpo_lora"
 
-echo "== before / after: the same prompts and seeds, scored with the tiny ImageReward"
-GEN=(--reward_model_dir "$M" --num_inference_steps 8 --num_images_per_prompt 2 --device cpu)
-"$PYTHON" inference/inference.py "${GEN[@]}" --pretrained_model "$M/stable-diffusion" --resolution 32 \
-  --output_dir "$OUT/base"
-"$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/refl_lora" --output_dir "$OUT/lora"
-"$PYTHON" inference/compare.py "$OUT/base" "$OUT/lora"
+echo "== before / after on the held-out prompts: the same prompts and seeds"
+GEN=(--prompts_file "$HELD_OUT" --num_images_per_prompt 8 --reward_model_dir "$TOY" --device cpu)
+"$PYTHON" inference/inference.py "${GEN[@]}" --pretrained_model "$TOY/toy-sd" --output_dir "$OUT/base"
+"$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/refl_lora" --output_dir "$OUT/refl"
+"$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/ddpo_lora" --output_dir "$OUT/ddpo"
+"$PYTHON" inference/compare.py "$OUT/base" "$OUT/refl" --out "$OUT/compare_refl"
+"$PYTHON" inference/compare.py "$OUT/base" "$OUT/ddpo" --out "$OUT/compare_ddpo"
+"$PYTHON" -m refl_ddpo.toy_world "$OUT/base" "$OUT/refl" "$OUT/ddpo"
 
-echo "== done. Look at $OUT/compare/compare.png, $OUT/*/scores.json, and tensorboard --logdir $OUT"
+echo "== done. Look at $OUT/compare_refl/compare.png and $OUT/compare_ddpo/compare.png (before | after), and"
+echo "   tensorboard --logdir $OUT"

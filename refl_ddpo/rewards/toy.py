@@ -2,7 +2,8 @@
 
     toy_color_match   1.0 where the judge finds the shape's mean colour nearest to the prompt's colour, else 0.0;
                       programmatic, not differentiable; info carries the judge's `dirty` fraction per image
-    toy_classifier    p(prompt's colour) * p(prompt's shape) from the toy classifier's two softmaxes;
+    toy_classifier    p(prompt's colour) * p(prompt's shape) from the toy classifier's two softmaxes, read at
+                      temperature 8 (at 1 they are saturated at 0 / 1 and give reward backprop no gradient);
                       differentiable. Reads <model_dir>/toy_classifier.{safetensors,json}, written by
                       `python -m refl_ddpo.tiny OUT --toy_world`. Images of another size are resized to 32 x 32
                       (bilinear, antialiased: differentiable).
@@ -27,7 +28,13 @@ def toy_color_match(device: torch.device, dtype: torch.dtype, model_dir: str, **
     return reward_fn
 
 
-def toy_classifier(device: torch.device, dtype: torch.dtype, model_dir: str, **options):
+# The classifier is (over)confident: at temperature 1 its softmax is 0 or 1 on nearly every image the model draws,
+# which leaves reward backprop no gradient. Its probabilities are read at this temperature instead.
+TEMPERATURE = 8.0
+
+
+def toy_classifier(device: torch.device, dtype: torch.dtype, model_dir: str, temperature: float = TEMPERATURE,
+                   **options):
     model = toy_world.load_classifier(model_dir, device=device, dtype=dtype)
 
     def reward_fn(images, prompts, metadata):
@@ -37,8 +44,8 @@ def toy_classifier(device: torch.device, dtype: torch.dtype, model_dir: str, **o
             x = F.interpolate(x, size=(toy_world.SIZE, toy_world.SIZE), mode="bilinear", align_corners=False,
                               antialias=x.shape[-1] > toy_world.SIZE)
         logits_c, logits_s = model(x)
-        p_colour = logits_c.float().softmax(-1).gather(1, colour_idx[:, None])[:, 0]
-        p_shape = logits_s.float().softmax(-1).gather(1, shape_idx[:, None])[:, 0]
+        p_colour = (logits_c.float() / temperature).softmax(-1).gather(1, colour_idx[:, None])[:, 0]
+        p_shape = (logits_s.float() / temperature).softmax(-1).gather(1, shape_idx[:, None])[:, 0]
         return (p_colour * p_shape).float(), {"p_colour": p_colour.detach(), "p_shape": p_shape.detach()}
 
     return reward_fn

@@ -122,12 +122,19 @@ def stack_samples(batches: list[SampleBatch], advantages: torch.Tensor) -> dict[
     return samples
 
 
-def shuffle_samples(samples: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Shuffle samples, then each sample's timesteps independently (ddpo-pytorch), drawn from `generator`."""
+def shuffle_samples(samples: dict[str, torch.Tensor], generator: torch.Generator,
+                    trainable_steps: int | None = None) -> dict[str, torch.Tensor]:
+    """Shuffle samples, then each sample's timesteps independently (ddpo-pytorch), drawn from `generator`.
+
+    With `trainable_steps` k < S only the first k steps of each trajectory are shuffled and put first; the last
+    S - k follow in order, so a trainer taking the first <= k shuffled steps never trains on them.
+    """
     n, steps = samples["timesteps"].shape
+    keep = steps if trainable_steps is None else trainable_steps
     perm = torch.randperm(n, generator=generator, device=generator.device)
     out = {k: v[perm.to(v.device)] for k, v in samples.items()}
-    time_perm = torch.stack([torch.randperm(steps, generator=generator, device=generator.device)
+    tail = torch.arange(keep, steps, device=generator.device)
+    time_perm = torch.stack([torch.cat([torch.randperm(keep, generator=generator, device=generator.device), tail])
                              for _ in range(n)])  # (N, S)
     rows = torch.arange(n)[:, None]
     for key in STEP_KEYS:
@@ -158,18 +165,19 @@ def step_log_prob(family: ModelFamily, scheduler, latents: torch.Tensor, timeste
 def train_on_samples(family: ModelFamily, network, scheduler, samples: dict[str, torch.Tensor], uncond: Cond | None,
                      accelerator, optimizer, params: list[torch.nn.Parameter], generator: torch.Generator, *,
                      num_steps: int, batch_size: int, num_train_steps: int, guidance_scale: float, eta: float,
-                     clip_range: float, kl_weight: float = 0.0, max_grad_norm: float = 0.0) -> list[dict[str, float]]:
+                     clip_range: float, kl_weight: float = 0.0, max_grad_norm: float = 0.0,
+                     skip_last_steps: int = 0) -> list[dict[str, float]]:
     """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
 
     `network` is the prepared (possibly DDP-wrapped) network and `optimizer` the prepared optimizer (it steps only
     when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
     x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
-    trains without CFG. Returns one dict of metrics (mean over its micro-steps and processes) per optimizer step.
+    trains without CFG; `skip_last_steps` sampler steps at the end of each trajectory are never trained on. Returns one dict of metrics (mean over its micro-steps and processes) per optimizer step.
     """
     from refl_ddpo.lora import adapters_off
 
     scheduler.set_timesteps(num_steps, device=samples["latents"].device)
-    samples = shuffle_samples(samples, generator)
+    samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
     n = samples["timesteps"].shape[0]
     cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
     uncond = None if uncond is None else cond_expand(uncond, batch_size)
@@ -331,7 +339,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                     seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch), num_steps=cfg.sample_num_steps,
                     batch_size=cfg.train_batch_size, num_train_steps=num_train_timesteps(cfg),
                     guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, clip_range=cfg.train_clip_range,
-                    kl_weight=cfg.kl_weight, max_grad_norm=cfg.max_grad_norm)
+                    kl_weight=cfg.kl_weight, max_grad_norm=cfg.max_grad_norm,
+                    skip_last_steps=cfg.train_skip_last_steps)
                 for info in steps:
                     accelerator.log({f"ddpo/{k}": v for k, v in info.items()} | {"ddpo/inner_epoch": inner_epoch},
                                     step=global_step)

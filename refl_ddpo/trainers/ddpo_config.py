@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
-from refl_ddpo.prompts import load_prompts
+from refl_ddpo.prompts import DATA_DIR, load_prompts
+
+TOY_WORLD_DIR = DATA_DIR / "toy_world"
 from refl_ddpo.rewards import parse_reward_spec
 
 
@@ -54,6 +56,11 @@ class DDPOConfig(CommonConfig):
     train_num_inner_epochs: int = field_(1, "Passes over each epoch's samples (PPO inner epochs).")
     train_timestep_fraction: float = field_(
         1.0, "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1]."
+    )
+    train_skip_last_steps: int = field_(
+        0, "Never train on the last N sampler steps (--train_timestep_fraction is then a fraction of the other "
+        "steps). Their tiny noise scale makes their log-probability gradients the largest while they change only "
+        "fine detail; skipping them focuses the update on the steps that decide the image's content."
     )
     train_clip_range: float = field_(
         1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF)."
@@ -158,6 +165,11 @@ class DDPOConfig(CommonConfig):
                 f"--train_timestep_fraction must be in (0, 1] (got {self.train_timestep_fraction}); 1.0 "
                 "trains on every step."
             )
+        if not 0 <= self.train_skip_last_steps < self.sample_num_steps:
+            raise UserError(
+                f"--train_skip_last_steps must be in [0, --sample_num_steps {self.sample_num_steps}) "
+                f"(got {self.train_skip_last_steps}): at least one step must stay trainable."
+            )
         if num_train_timesteps(self) < 1:
             raise UserError(
                 f"--train_timestep_fraction {self.train_timestep_fraction} x --sample_num_steps "
@@ -219,6 +231,27 @@ _COMPRESSIBILITY = {
     "per_prompt_stat_tracking_min_count": 16,
 }
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
+    # The toy world (refl_ddpo.toy_world): its committed model, the 12 training prompts, the programmatic colour
+    # reward; a recipe that learns in a few CPU minutes. Held-out prompts (toy_world_heldout) are for evaluation.
+    "toy_world": {
+        "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
+        "reward_model_dir": str(TOY_WORLD_DIR),
+        "reward": "toy_color_match",
+        "prompt_fn": "toy_world_train",
+        "resolution": 32,
+        "sample_num_steps": 10,
+        "sample_guidance_scale": 7.5,
+        "sample_batch_size": 16,
+        "sample_num_batches_per_epoch": 2,
+        "train_batch_size": 16,
+        "train_gradient_accumulation_steps": 1,
+        "train_timestep_fraction": 0.5,
+        "learning_rate": 1e-3,
+        "per_prompt_stat_tracking": False,
+        "num_epochs": 20,
+        "save_freq": 10,
+        "checkpoints_total_limit": 1,
+    },
     "compressibility": _COMPRESSIBILITY,
     "incompressibility": {**_COMPRESSIBILITY, "reward": "jpeg_incompressibility"},
     "aesthetic": {  # harder to optimise: 2 optimizer steps per epoch, a longer buffer, 200 epochs
@@ -244,8 +277,9 @@ DDPOConfig.PRESETS = DDPO_PRESETS
 
 
 def num_train_timesteps(cfg: DDPOConfig) -> int:
-    """Steps trained per sample and inner epoch (ddpo-pytorch: int(num_steps * timestep_fraction))."""
-    return int(cfg.sample_num_steps * cfg.train_timestep_fraction)
+    """Steps trained per sample and inner epoch (ddpo-pytorch: int(num_steps * timestep_fraction)), of the steps
+    not skipped by --train_skip_last_steps."""
+    return int((cfg.sample_num_steps - cfg.train_skip_last_steps) * cfg.train_timestep_fraction)
 
 
 def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:
