@@ -31,7 +31,9 @@ def refl_case(mode: str, batch: int) -> Case:
 
         base_unet, params = b.trainable_unet(mode)
         family = b.family(base_unet)
-        scheduler = family.scheduler("DDPMScheduler")  # the ReFL trainer's default rollout sampler (ReFL.py's)
+        scheduler = family.scheduler(
+            "DDPMScheduler"
+        )  # the ReFL trainer's default rollout sampler (ReFL.py's)
         reward_model = b.build("reward")
         unet, optimizer = b.prepare(base_unet, params, None)
         b.finish(unet, family.vae, reward_model)
@@ -192,7 +194,9 @@ def inference_case(batch: int) -> Case:
         from refl_ddpo.generate import generate_batch
 
         family = b.family(b.build("unet"))
-        family.pipe.scheduler = family.scheduler("DDIMScheduler")  # as load_inference_family sets --scheduler ddim
+        family.pipe.scheduler = family.scheduler(
+            "DDIMScheduler"
+        )  # as load_inference_family sets --scheduler ddim
         b.finish(family.network, family.vae)
         prompt_fn = b.prompt_fn
 

@@ -114,8 +114,15 @@ class BenchConfig(ConfigBase):
         unknown = [c for c in cases if c not in CASES]
         if unknown or not cases:
             raise UserError(f"--only {self.only}: choose cases from {', '.join(CASES)} (comma-separated).")
-        self.check_positive("repeats", "refl_steps", "ddpo_sample_batch_size", "ddpo_train_batch_size", "ddpo_steps",
-                            "inference_steps", "lora_rank")
+        self.check_positive(
+            "repeats",
+            "refl_steps",
+            "ddpo_sample_batch_size",
+            "ddpo_train_batch_size",
+            "ddpo_steps",
+            "inference_steps",
+            "lora_rank",
+        )
         if self.warmup < 0:
             raise UserError(f"--warmup must be >= 0 (got {self.warmup}).")
         if self.compile and self.warmup < 1:
@@ -156,4 +163,3 @@ class BenchConfig(ConfigBase):
     def resolved_dtype(self) -> torch.dtype:
         name = self.dtype or ("bf16" if self.resolved_device.type == "cuda" else "fp32")
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-

@@ -146,4 +146,3 @@ def run_flops_only(cfg: BenchConfig, argv: list[str]) -> dict:
     write_files(out, {"flops.json": json.dumps(results, indent=2) + "\n", "flops.md": table})
     print(table, flush=True)
     return results
-

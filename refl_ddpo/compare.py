@@ -19,13 +19,14 @@ COMPARE_JSON = "compare.json"
 COMPARE_PNG = "compare.png"
 
 
-
 def load_run(run_dir: str | Path) -> dict:
     """scores.json of a run folder, with one-line errors when it is missing or not ours."""
     path = Path(run_dir) / SCORES_FILE
     if not path.is_file():
-        raise UserError(f"{run_dir} has no {SCORES_FILE}: run inference/inference.py (or inference_lora.py) with "
-                        f"--output_dir {run_dir} first.")
+        raise UserError(
+            f"{run_dir} has no {SCORES_FILE}: run inference/inference.py (or inference_lora.py) with "
+            f"--output_dir {run_dir} first."
+        )
     try:
         run = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -35,17 +36,20 @@ def load_run(run_dir: str | Path) -> dict:
     return run
 
 
-def paired_bootstrap_ci(differences, num_resamples: int = 10_000, seed: int = 0,
-                        level: float = 0.95) -> tuple[float, float]:
+def paired_bootstrap_ci(
+    differences, num_resamples: int = 10_000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of paired differences: resample the pairs with replacement."""
     import numpy as np
 
     diffs = np.asarray(differences, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    means = np.concatenate([  # in chunks: at most 1000 x n indices in memory
-        diffs[rng.integers(0, len(diffs), size=(min(1000, num_resamples - k), len(diffs)))].mean(axis=1)
-        for k in range(0, num_resamples, 1000)
-    ])
+    means = np.concatenate(
+        [  # in chunks: at most 1000 x n indices in memory
+            diffs[rng.integers(0, len(diffs), size=(min(1000, num_resamples - k), len(diffs)))].mean(axis=1)
+            for k in range(0, num_resamples, 1000)
+        ]
+    )
     tail = (1 - level) / 2 * 100
     lo, hi = np.percentile(means, [tail, 100 - tail])
     return float(lo), float(hi)
@@ -53,6 +57,7 @@ def paired_bootstrap_ci(differences, num_resamples: int = 10_000, seed: int = 0,
 
 def match_pairs(before: dict, after: dict, before_name: str, after_name: str) -> list[tuple[dict, dict]]:
     """Records paired by (prompt, seed), in the order of `before`; a UserError unless both hold the same pairs."""
+
     def index(run: dict, name: str) -> dict:
         out = {}
         for r in run["records"]:
@@ -66,9 +71,11 @@ def match_pairs(before: dict, after: dict, before_name: str, after_name: str) ->
     only_b, only_a = [k for k in b if k not in a], [k for k in a if k not in b]
     if only_b or only_a:
         example = (only_b or only_a)[0]
-        raise UserError(f"{before_name} and {after_name} hold different (prompt, seed) pairs ({len(only_b)} only in "
-                        f"the first, {len(only_a)} only in the second, e.g. {example}); generate both with the same "
-                        "--prompts_file, --seed and --num_images_per_prompt.")
+        raise UserError(
+            f"{before_name} and {after_name} hold different (prompt, seed) pairs ({len(only_b)} only in "
+            f"the first, {len(only_a)} only in the second, e.g. {example}); generate both with the same "
+            "--prompts_file, --seed and --num_images_per_prompt."
+        )
     return [(b[k], a[k]) for k in b]
 
 
@@ -77,21 +84,43 @@ def _same_path(value):
     return os.path.realpath(value) if isinstance(value, str) and os.path.exists(value) else value
 
 
-def compare_runs(before: dict, after: dict, before_name: str = "before", after_name: str = "after",
-                 num_resamples: int = 10_000, seed: int = 0) -> dict:
+def compare_runs(
+    before: dict,
+    after: dict,
+    before_name: str = "before",
+    after_name: str = "after",
+    num_resamples: int = 10_000,
+    seed: int = 0,
+) -> dict:
     """Paired statistics of two runs' ImageReward scores: means, per-prompt deltas, win rate, bootstrap CI."""
     pairs = match_pairs(before, after, before_name, after_name)
     result: dict = {"count": len(pairs)}
-    settings = [{k: _same_path(run.get("config", {}).get(k)) for k in GENERATION_SETTINGS} for run in (before, after)]
-    differ = {k: [settings[0][k], settings[1][k]] for k in GENERATION_SETTINGS if settings[0][k] != settings[1][k]}
+    settings = [
+        {k: _same_path(run.get("config", {}).get(k)) for k in GENERATION_SETTINGS} for run in (before, after)
+    ]
+    differ = {
+        k: [settings[0][k], settings[1][k]] for k in GENERATION_SETTINGS if settings[0][k] != settings[1][k]
+    }
     if differ:
         result["settings_differ"] = differ
-    errors = [f"{name}: {run['score_error']}" for name, run in ((before_name, before), (after_name, after))
-              if run.get("score_error")]
+    errors = [
+        f"{name}: {run['score_error']}"
+        for name, run in ((before_name, before), (after_name, after))
+        if run.get("score_error")
+    ]
     missing = any(b.get(SCORE_KEY) is None or a.get(SCORE_KEY) is None for b, a in pairs)
-    result["pairs"] = [{"prompt": b["prompt"], "seed": b["seed"], "before_file": b["file"], "after_file": a["file"],
-                        "before": b.get(SCORE_KEY), "after": a.get(SCORE_KEY),
-                        "delta": None if missing else a[SCORE_KEY] - b[SCORE_KEY]} for b, a in pairs]
+    result["pairs"] = [
+        {
+            "prompt": b["prompt"],
+            "seed": b["seed"],
+            "before_file": b["file"],
+            "after_file": a["file"],
+            "before": b.get(SCORE_KEY),
+            "after": a.get(SCORE_KEY),
+            "delta": None if missing else a[SCORE_KEY] - b[SCORE_KEY],
+        }
+        for b, a in pairs
+    ]
     if missing:
         result["score_error"] = "; ".join(errors) or "some images have no score"
         return result
@@ -104,19 +133,30 @@ def compare_runs(before: dict, after: dict, before_name: str = "before", after_n
     for (rb, _), b, a in zip(pairs, before_scores, after_scores):
         per_prompt.setdefault(rb["prompt"], []).append((b, a))
     lo, hi = paired_bootstrap_ci(deltas, num_resamples, seed)
-    result.update({
-        "mean_before": sum(before_scores) / len(pairs),
-        "mean_after": sum(after_scores) / len(pairs),
-        "mean_difference": sum(deltas) / len(pairs),
-        "bootstrap_ci95": [lo, hi],
-        "num_bootstrap": num_resamples,
-        "bootstrap_seed": seed,
-        "win_rate": (wins + 0.5 * ties) / len(pairs),  # ties count half
-        "wins": wins, "ties": ties, "losses": len(pairs) - wins - ties,
-        "per_prompt": [{"prompt": p, "n": len(v), "before_mean": sum(b for b, _ in v) / len(v),
-                        "after_mean": sum(a for _, a in v) / len(v),
-                        "delta": sum(a - b for b, a in v) / len(v)} for p, v in per_prompt.items()],
-    })
+    result.update(
+        {
+            "mean_before": sum(before_scores) / len(pairs),
+            "mean_after": sum(after_scores) / len(pairs),
+            "mean_difference": sum(deltas) / len(pairs),
+            "bootstrap_ci95": [lo, hi],
+            "num_bootstrap": num_resamples,
+            "bootstrap_seed": seed,
+            "win_rate": (wins + 0.5 * ties) / len(pairs),  # ties count half
+            "wins": wins,
+            "ties": ties,
+            "losses": len(pairs) - wins - ties,
+            "per_prompt": [
+                {
+                    "prompt": p,
+                    "n": len(v),
+                    "before_mean": sum(b for b, _ in v) / len(v),
+                    "after_mean": sum(a for _, a in v) / len(v),
+                    "delta": sum(a - b for b, a in v) / len(v),
+                }
+                for p, v in per_prompt.items()
+            ],
+        }
+    )
     return result
 
 
@@ -132,19 +172,31 @@ def format_comparison(result: dict, before_name: str, after_name: str) -> str:
     lines.append(f"{'prompt':<{width}}  {'n':>3}  {'before':>8}  {'after':>8}  {'delta':>8}")
     for r in result["per_prompt"]:
         prompt = r["prompt"] if len(r["prompt"]) <= width else r["prompt"][: width - 3] + "..."
-        lines.append(f"{prompt:<{width}}  {r['n']:>3}  {r['before_mean']:>8.3f}  {r['after_mean']:>8.3f}  "
-                     f"{r['delta']:>+8.3f}")
+        lines.append(
+            f"{prompt:<{width}}  {r['n']:>3}  {r['before_mean']:>8.3f}  {r['after_mean']:>8.3f}  "
+            f"{r['delta']:>+8.3f}"
+        )
     lo, hi = result["bootstrap_ci95"]
-    lines.append(f"mean ImageReward: {before_name} {result['mean_before']:.3f}, {after_name} "
-                 f"{result['mean_after']:.3f}, difference {result['mean_difference']:+.3f} "
-                 f"(95% paired bootstrap CI [{lo:+.3f}, {hi:+.3f}], {result['num_bootstrap']} resamples)")
-    lines.append(f"{after_name} beats {before_name} in {result['win_rate']:.1%} of {result['count']} pairs "
-                 f"({result['wins']} wins, {result['ties']} ties, {result['losses']} losses)")
+    lines.append(
+        f"mean ImageReward: {before_name} {result['mean_before']:.3f}, {after_name} "
+        f"{result['mean_after']:.3f}, difference {result['mean_difference']:+.3f} "
+        f"(95% paired bootstrap CI [{lo:+.3f}, {hi:+.3f}], {result['num_bootstrap']} resamples)"
+    )
+    lines.append(
+        f"{after_name} beats {before_name} in {result['win_rate']:.1%} of {result['count']} pairs "
+        f"({result['wins']} wins, {result['ties']} ties, {result['losses']} losses)"
+    )
     return "\n".join(lines)
 
 
-def run_compare(before_dir: str, after_dir: str, out_dir: str | None = None, num_resamples: int = 10_000,
-                seed: int = 0, max_pairs: int = 32) -> dict:
+def run_compare(
+    before_dir: str,
+    after_dir: str,
+    out_dir: str | None = None,
+    num_resamples: int = 10_000,
+    seed: int = 0,
+    max_pairs: int = 32,
+) -> dict:
     """compare.png (before | after per prompt and seed, score under each) and compare.json for two run folders."""
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
@@ -156,12 +208,17 @@ def run_compare(before_dir: str, after_dir: str, out_dir: str | None = None, num
     if max_pairs < 0:
         raise UserError(f"--max_pairs must be >= 0 (got {max_pairs}); 0 writes no compare.png.")
     before, after = load_run(before_dir), load_run(after_dir)
-    result = {"before_dir": str(before_dir), "after_dir": str(after_dir),
-              **compare_runs(before, after, str(before_dir), str(after_dir), num_resamples, seed)}
+    result = {
+        "before_dir": str(before_dir),
+        "after_dir": str(after_dir),
+        **compare_runs(before, after, str(before_dir), str(after_dir), num_resamples, seed),
+    }
     for run_dir, key in ((before_dir, "before_file"), (after_dir, "after_file")):
         for pair in result["pairs"]:
             if not (Path(run_dir) / pair[key]).is_file():
-                raise UserError(f"{Path(run_dir) / pair[key]} is listed in {SCORES_FILE} but missing; run it again.")
+                raise UserError(
+                    f"{Path(run_dir) / pair[key]} is listed in {SCORES_FILE} but missing; run it again."
+                )
     out = check_output_dir(out_dir or str(Path(after_dir).resolve().parent / "compare"))
     (out / COMPARE_JSON).unlink(missing_ok=True)
 
@@ -171,7 +228,9 @@ def run_compare(before_dir: str, after_dir: str, out_dir: str | None = None, num
         for pair in shown:
             for side, run_dir in (("before", before_dir), ("after", after_dir)):
                 with Image.open(Path(run_dir) / pair[f"{side}_file"]) as im:
-                    cells.append(pil_to_tensor(im.convert("RGB")).float() / 255)  # (3, H, W); sizes may differ
+                    cells.append(
+                        pil_to_tensor(im.convert("RGB")).float() / 255
+                    )  # (3, H, W); sizes may differ
                 captions.append(f"{side} {fmt_score(pair[side])} s{pair['seed']} {pair['prompt']}")
         grid = caption_grid(cells, captions, cols=2)  # every cell is resized to the same side
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out / COMPARE_PNG)
@@ -181,17 +240,28 @@ def run_compare(before_dir: str, after_dir: str, out_dir: str | None = None, num
     return result
 
 
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inference/compare.py", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="inference/compare.py",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("before", help="Run folder of the base model (holds scores.json), e.g. outputs/base.")
     parser.add_argument("after", help="Run folder of the base + LoRA, e.g. outputs/lora.")
-    parser.add_argument("--out", default=None, help="Where compare.png / compare.json go (default: AFTER/../compare).")
-    parser.add_argument("--num_bootstrap", type=int, default=10_000, help="Paired bootstrap resamples (default 10000).")
+    parser.add_argument(
+        "--out", default=None, help="Where compare.png / compare.json go (default: AFTER/../compare)."
+    )
+    parser.add_argument(
+        "--num_bootstrap", type=int, default=10_000, help="Paired bootstrap resamples (default 10000)."
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the bootstrap resampling (default 0).")
-    parser.add_argument("--max_pairs", type=int, default=32,
-                        help="compare.png shows the first this-many pairs (default 32; 0: no image).")
+    parser.add_argument(
+        "--max_pairs",
+        type=int,
+        default=32,
+        help="compare.png shows the first this-many pairs (default 32; 0: no image).",
+    )
     return parser
 
 

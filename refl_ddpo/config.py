@@ -82,7 +82,11 @@ def accelerate_mixed_precision() -> str:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text()) if path.suffix in (".yaml", ".yml") else json.loads(path.read_text())
+        data = (
+            yaml.safe_load(path.read_text())
+            if path.suffix in (".yaml", ".yml")
+            else json.loads(path.read_text())
+        )
     except (OSError, ValueError, yaml.YAMLError):
         return "no"
     value = str(data.get("mixed_precision", "no")) if isinstance(data, dict) else "no"
@@ -96,25 +100,32 @@ class CommonConfig(ConfigBase):
     pretrained_model: str = field_(
         "checkpoint/stable-diffusion-v1-4",
         "Base model: a local diffusers folder (SD 1.x/2.x) or a hub id (e.g. CompVis/stable-diffusion-v1-4).",
-        group="models", flags=("--pretrained_model_name_or_path",),
+        group="models",
+        flags=("--pretrained_model_name_or_path",),
     )
     reward_model_dir: str = field_(
         "checkpoint",
         "Folder with the reward models' files: ImageReward.pt, med_config.json and bert-base-uncased/ (or the hub id "
         "THUDM/ImageReward), aesthetic/, the toy world's toy_classifier.*.",
     )
-    output_dir: str = field_("checkpoint/out", "Where the final LoRA, its config.json and checkpoint-N/ go.",
-                             group="data and output")
+    output_dir: str = field_(
+        "checkpoint/out",
+        "Where the final LoRA, its config.json and checkpoint-N/ go.",
+        group="data and output",
+    )
     prompts_file: str | None = field_(
         None, "Prompts: one per line, or a JSON list of strings / {'text'|'prompt': ...} objects."
     )
     seed: int = field_(42, "Seed for noise, timestep choices and data order (each process adds its rank).")
     resolution: int | None = field_(
-        None, "Image side in pixels; default: the model's native one (its sample_size x VAE scale factor).",
+        None,
+        "Image side in pixels; default: the model's native one (its sample_size x VAE scale factor).",
         group="sampling",
     )
     num_inference_steps: int = field_(40, "Denoising steps of the sampler.")
-    guidance_scale: float = field_(7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off).")
+    guidance_scale: float = field_(
+        7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off)."
+    )
     learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation")
     adam_beta1: float = field_(0.9, "AdamW beta1.")
     adam_beta2: float = field_(0.999, "AdamW beta2.")
@@ -125,12 +136,14 @@ class CommonConfig(ConfigBase):
     train_batch_size: int = field_(1, "Images per optimizer micro-batch, per GPU.")
     gradient_accumulation_steps: int = field_(1, "Micro-batches accumulated into one optimizer step.")
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field_(
-        None, "Dtype of the frozen weights and of autocast; trainable weights stay float32. Default: the "
-              "mixed_precision of your accelerate config (`accelerate config`), else no."
+        None,
+        "Dtype of the frozen weights and of autocast; trainable weights stay float32. Default: the "
+        "mixed_precision of your accelerate config (`accelerate config`), else no.",
     )
     allow_tf32: bool = field_(True, "Allow TF32 matmuls on Ampere+ GPUs (faster, ~1e-3 relative error).")
-    use_lora: bool = field_(True, "Train LoRA adapters on the network; --no-use_lora fine-tunes all of it.",
-                            group="LoRA")
+    use_lora: bool = field_(
+        True, "Train LoRA adapters on the network; --no-use_lora fine-tunes all of it.", group="LoRA"
+    )
     lora_rank: int = field_(4, "LoRA rank r.")
     lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.")
     lora_target_modules: list[str] = field_(
@@ -142,8 +155,11 @@ class CommonConfig(ConfigBase):
         "(Kaiming A, zero B), or 'random' (A and B random: the output changes at once; for tests).",
     )
     gradient_checkpointing: bool = field_(False, "Recompute network activations in backward to save memory.")
-    checkpointing_steps: int = field_(0, "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
-                                      group="state and logging")
+    checkpointing_steps: int = field_(
+        0,
+        "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
+        group="state and logging",
+    )
     checkpoints_total_limit: int | None = field_(None, "Keep at most this many checkpoint-N folders.")
     resume_from_checkpoint: str | None = field_(None, "'latest' or a checkpoint-N path to resume from.")
     device: str | None = field_(None, "Force a device (e.g. cpu); default: what accelerate picks.")
@@ -153,8 +169,13 @@ class CommonConfig(ConfigBase):
     def check(self) -> None:
         if self.mixed_precision is None:
             self.mixed_precision = accelerate_mixed_precision()
-        self.check_positive("num_inference_steps", "train_batch_size", "gradient_accumulation_steps", "lora_rank",
-                            "learning_rate")
+        self.check_positive(
+            "num_inference_steps",
+            "train_batch_size",
+            "gradient_accumulation_steps",
+            "lora_rank",
+            "learning_rate",
+        )
         if self.resolution is not None:
             self.check_positive("resolution")
         if self.checkpointing_steps < 0:
@@ -189,14 +210,19 @@ def _parse_none(conv):
     return parse
 
 
-def build_parser(cls: type, description: str | None = None, suppress_defaults: bool = False,
-                 prog: str | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    cls: type, description: str | None = None, suppress_defaults: bool = False, prog: str | None = None
+) -> argparse.ArgumentParser:
     """An argparse parser with one flag per dataclass field (grouped as the fields' `group`s), plus `--config`.
 
     `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given)."""
-    parser = argparse.ArgumentParser(prog=prog or os.environ.get(PROG_ENV), description=description or cls.__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False,
-                                     argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    parser = argparse.ArgumentParser(
+        prog=prog or os.environ.get(PROG_ENV),
+        description=description or cls.__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS if suppress_defaults else None,
+    )
     parser.add_argument("--config", help="A yaml or json file of field: value; flags override it.")
     hints = typing.get_type_hints(cls)
     group = parser
@@ -251,8 +277,10 @@ def _resolve_aliases(cls: type, layer: dict, where: str) -> dict:
     for alias, name in getattr(cls, "ALIASES", {}).items():
         if alias in layer and layer[alias] is not None:
             if name in layer and layer[name] != layer[alias]:
-                raise UserError(f"--{alias} {layer[alias]} and --{name} {layer[name]} disagree{where}; --{alias} "
-                                f"is an alias of --{name}: give only one of them.")
+                raise UserError(
+                    f"--{alias} {layer[alias]} and --{name} {layer[name]} disagree{where}; --{alias} "
+                    f"is an alias of --{name}: give only one of them."
+                )
             layer[name] = layer.pop(alias)
         layer.pop(alias, None)
     return layer

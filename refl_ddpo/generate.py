@@ -48,8 +48,15 @@ GRID_FILE = "grid.png"
 SCORE_KEY = "imagereward"  # the score field of each record in scores.json
 
 # Settings that change the images; compare.py notes when two runs differ in any of them.
-GENERATION_SETTINGS = ("pretrained_model", "num_inference_steps", "guidance_scale", "scheduler", "eta", "resolution",
-                       "dtype")
+GENERATION_SETTINGS = (
+    "pretrained_model",
+    "num_inference_steps",
+    "guidance_scale",
+    "scheduler",
+    "eta",
+    "resolution",
+    "dtype",
+)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -73,25 +80,34 @@ class InferenceConfig(ConfigBase):
     )
     # ---- what to generate ----
     prompts_file: str = field_(
-        str(DEFAULT_PROMPTS_FILE), "Prompts: one per line, or a JSON list of strings / {'prompt'|'text': ...} objects."
+        str(DEFAULT_PROMPTS_FILE),
+        "Prompts: one per line, or a JSON list of strings / {'prompt'|'text': ...} objects.",
     )
-    seed: int = field_(42, "Image j of prompt i uses its own generator seeded seed + i * num_images_per_prompt + j.")
+    seed: int = field_(
+        42, "Image j of prompt i uses its own generator seeded seed + i * num_images_per_prompt + j."
+    )
     num_images_per_prompt: int = field_(4, "Images generated for each prompt (each with its own seed).")
     num_inference_steps: int = field_(50, "Denoising steps of the sampler.")
     guidance_scale: float = field_(7.5, "Classifier-free guidance scale (1 or less turns CFG off).")
     scheduler: Literal["ddim", "euler"] = field_(
-        "ddim", "Sampler, built from the model's scheduler config (ddim with eta 0 is deterministic; those the model "
-                "family offers, refl_ddpo.families)."
+        "ddim",
+        "Sampler, built from the model's scheduler config (ddim with eta 0 is deterministic; those the model "
+        "family offers, refl_ddpo.families).",
     )
-    eta: float = field_(0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed).")
+    eta: float = field_(
+        0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed)."
+    )
     resolution: int | None = field_(
         None, "Image side in pixels (a multiple of the VAE scale factor); default: the model's native one."
     )
     # ---- how ----
-    batch_size: int = field_(4, "Images per UNet batch (CFG doubles the UNet batch); lower it if memory runs out.")
+    batch_size: int = field_(
+        4, "Images per UNet batch (CFG doubles the UNet batch); lower it if memory runs out."
+    )
     device: str | None = field_(None, "Device (cpu, cuda, cuda:1 ...); default: cuda if available, else cpu.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = field_(
-        "auto", "Dtype of the diffusion models; auto: fp16 on a GPU, fp32 on the CPU. ImageReward runs in fp32."
+        "auto",
+        "Dtype of the diffusion models; auto: fp16 on a GPU, fp32 on the CPU. ImageReward runs in fp32.",
     )
     output_dir: str = field_("outputs/base", "Folder for the PNGs, grid.png and scores.json.")
     grid_max_images: int = field_(64, "grid.png shows the first this-many images (0: no grid).")
@@ -108,7 +124,9 @@ class InferenceConfig(ConfigBase):
         if self.eta < 0:
             raise UserError(f"--eta must be >= 0 (got {self.eta}); 0 is deterministic DDIM.")
         if self.eta and self.scheduler != "ddim":
-            raise UserError(f"--eta {self.eta} needs --scheduler ddim (the {self.scheduler} sampler has no eta).")
+            raise UserError(
+                f"--eta {self.eta} needs --scheduler ddim (the {self.scheduler} sampler has no eta)."
+            )
         self.device = resolve_device(self.device)
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
@@ -134,17 +152,25 @@ class LoraInferenceConfig(InferenceConfig):
         "Trained LoRA folder (pytorch_lora_weights.safetensors, diffusers format; or unet/ of a full fine-tune), "
         "e.g. checkpoint/refl_lora or checkpoint/ddpo_lora.",
     )
-    lora_scale: float = field_(1.0, "Multiplier of the LoRA update: 0 gives the base model, 1 the trained one.")
+    lora_scale: float = field_(
+        1.0, "Multiplier of the LoRA update: 0 gives the base model, 1 the trained one."
+    )
 
     def check(self) -> None:
         """Check lora_dir, fill pretrained_model / resolution from its config.json, then the common checks."""
         lora_dir = Path(self.lora_dir).expanduser()
         if not lora_dir.is_dir():
-            raise UserError(f"--lora_dir {self.lora_dir} does not exist: train first (train_scripts/) or point it at "
-                            "a LoRA folder.")
-        if not ((lora_dir / LORA_WEIGHTS_NAME).is_file() or (lora_dir / FULL_UNET_DIR / "config.json").is_file()):
-            raise UserError(f"--lora_dir {self.lora_dir} has no {LORA_WEIGHTS_NAME} (nor {FULL_UNET_DIR}/): point it "
-                            "at the folder a trainer wrote its final weights to.")
+            raise UserError(
+                f"--lora_dir {self.lora_dir} does not exist: train first (train_scripts/) or point it at "
+                "a LoRA folder."
+            )
+        if not (
+            (lora_dir / LORA_WEIGHTS_NAME).is_file() or (lora_dir / FULL_UNET_DIR / "config.json").is_file()
+        ):
+            raise UserError(
+                f"--lora_dir {self.lora_dir} has no {LORA_WEIGHTS_NAME} (nor {FULL_UNET_DIR}/): point it "
+                "at the folder a trainer wrote its final weights to."
+            )
         saved = _read_lora_config(lora_dir)
         if self.pretrained_model is None:
             recorded = saved.get("pretrained_model")
@@ -154,8 +180,10 @@ class LoraInferenceConfig(InferenceConfig):
                 try:
                     check_pretrained_model(self.pretrained_model)
                 except UserError as e:
-                    raise UserError(f"{e} (this base model is recorded in {lora_dir / CONFIG_NAME}; pass "
-                                    "--pretrained_model to use another).") from None
+                    raise UserError(
+                        f"{e} (this base model is recorded in {lora_dir / CONFIG_NAME}; pass "
+                        "--pretrained_model to use another)."
+                    ) from None
         if self.resolution is None and saved.get("resolution"):
             self.resolution = int(saved["resolution"])
         super().check()
@@ -209,8 +237,11 @@ class ImageSpec:
 
 def plan_images(prompts: list[tuple[str, dict]], num_images_per_prompt: int, seed: int) -> list[ImageSpec]:
     """Every (prompt, image) pair in order, image j of prompt i seeded seed + i * num_images_per_prompt + j."""
-    return [ImageSpec(i, j, prompt, metadata, seed + i * num_images_per_prompt + j)
-            for i, (prompt, metadata) in enumerate(prompts) for j in range(num_images_per_prompt)]
+    return [
+        ImageSpec(i, j, prompt, metadata, seed + i * num_images_per_prompt + j)
+        for i, (prompt, metadata) in enumerate(prompts)
+        for j in range(num_images_per_prompt)
+    ]
 
 
 def load_inference_family(cfg: InferenceConfig):
@@ -222,26 +253,39 @@ def load_inference_family(cfg: InferenceConfig):
         family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device)
     except UserError as e:
         if getattr(cfg, "base_from_lora_config", False):
-            raise UserError(f"{e} (this base model is recorded in {Path(cfg.lora_dir) / CONFIG_NAME}; pass "
-                            "--pretrained_model to use another).") from None
+            raise UserError(
+                f"{e} (this base model is recorded in {Path(cfg.lora_dir) / CONFIG_NAME}; pass "
+                "--pretrained_model to use another)."
+            ) from None
         raise
     if cfg.scheduler not in family.schedulers:
-        raise UserError(f"--scheduler {cfg.scheduler} does not fit a {family.name} model; use one of "
-                        f"{', '.join(family.schedulers)}.")
+        raise UserError(
+            f"--scheduler {cfg.scheduler} does not fit a {family.name} model; use one of "
+            f"{', '.join(family.schedulers)}."
+        )
     family.pipe.scheduler = family.scheduler(family.schedulers[cfg.scheduler])
     if cfg.resolution is None:
         cfg.resolution = family.native_resolution
     if cfg.resolution % family.vae_scale_factor:
-        raise UserError(f"--resolution {cfg.resolution} must be a multiple of this VAE's scale factor "
-                        f"{family.vae_scale_factor}.")
+        raise UserError(
+            f"--resolution {cfg.resolution} must be a multiple of this VAE's scale factor "
+            f"{family.vae_scale_factor}."
+        )
     if isinstance(cfg, LoraInferenceConfig):
         load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale)
     return family
 
 
 @torch.inference_mode()
-def generate_batch(family, prompts: list[str], seeds: list[int], resolution: int, num_inference_steps: int,
-                   guidance_scale: float, eta: float = 0.0) -> torch.Tensor:
+def generate_batch(
+    family,
+    prompts: list[str],
+    seeds: list[int],
+    resolution: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    eta: float = 0.0,
+) -> torch.Tensor:
     """Images (B, 3, H, W) float32 in [0, 1] on the model's device; image b from a CPU generator seeded seeds[b].
 
     Runs in inference mode: no autograd graph is kept (the pipeline's memory for one no-grad forward), even if
@@ -255,8 +299,17 @@ def generate_batch(family, prompts: list[str], seeds: list[int], resolution: int
     cond, uncond = family.encode_prompts(prompts, with_negative=guidance_scale > 1.0)
     dtype = next(iter(cond.values())).dtype
     noise = family.initial_noise(len(prompts), resolution, generators, dtype)  # as the pipeline draws it
-    out = denoise(family, family.pipe.scheduler, cond, uncond, noise, num_inference_steps,
-                  guidance_scale=guidance_scale, eta=eta, generator=generators)
+    out = denoise(
+        family,
+        family.pipe.scheduler,
+        cond,
+        uncond,
+        noise,
+        num_inference_steps,
+        guidance_scale=guidance_scale,
+        eta=eta,
+        generator=generators,
+    )
     return family.decode(out.latents)  # (B, 3, H, W)
 
 
@@ -291,7 +344,7 @@ class ImageRewardScorer:
 
 def _batches(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 def _png_info(spec: ImageSpec, settings: dict):
@@ -336,14 +389,19 @@ def run_inference(cfg: InferenceConfig) -> dict:
     specs = plan_images(prompts, cfg.num_images_per_prompt, cfg.seed)
     out_dir = check_output_dir(cfg.output_dir)
     print(f"{type(cfg).__name__}:\n{cfg.pretty()}", flush=True)
-    print(f"  -> {len(prompts)} prompts x {cfg.num_images_per_prompt} images = {len(specs)} images, batches of "
-          f"{cfg.batch_size}", flush=True)
+    print(
+        f"  -> {len(prompts)} prompts x {cfg.num_images_per_prompt} images = {len(specs)} images, batches of "
+        f"{cfg.batch_size}",
+        flush=True,
+    )
 
     # ---- models ----
     quiet_hf_logging()
     family = load_inference_family(cfg)
     scorer = ImageRewardScorer(cfg.reward_model_dir, cfg.device)
-    settings = {k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)}
+    settings = {
+        k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)
+    }
 
     # ---- generate: from here on the folder's old results are stale ----
     for name in (SCORES_FILE, GRID_FILE):
@@ -352,15 +410,28 @@ def run_inference(cfg: InferenceConfig) -> dict:
     start = time.perf_counter()
     with tqdm(total=len(specs), desc="images", unit="img") as bar:
         for batch in _batches(specs, cfg.batch_size):
-            images = generate_batch(family, [s.prompt for s in batch], [s.seed for s in batch], cfg.resolution,
-                                    cfg.num_inference_steps, cfg.guidance_scale, cfg.eta)
+            images = generate_batch(
+                family,
+                [s.prompt for s in batch],
+                [s.seed for s in batch],
+                cfg.resolution,
+                cfg.num_inference_steps,
+                cfg.guidance_scale,
+                cfg.eta,
+            )
             pixels = to_uint8(images)  # (B, H, W, 3)
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
             scores = scorer([s.prompt for s in batch], pil_images)
             for spec, pil, score in zip(batch, pil_images, scores):
                 pil.save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
-                record = {"prompt": spec.prompt, "seed": spec.seed, "file": spec.file, SCORE_KEY: score,
-                          "prompt_index": spec.prompt_index, "image_index": spec.image_index}
+                record = {
+                    "prompt": spec.prompt,
+                    "seed": spec.seed,
+                    "file": spec.file,
+                    SCORE_KEY: score,
+                    "prompt_index": spec.prompt_index,
+                    "image_index": spec.image_index,
+                }
                 if spec.metadata:
                     record["metadata"] = spec.metadata
                 records.append(record)
@@ -370,9 +441,14 @@ def run_inference(cfg: InferenceConfig) -> dict:
 
     # ---- grid, then scores.json last ----
     if grid_images:
-        captions = [f"{fmt_score(r[SCORE_KEY])} s{r['seed']} {r['prompt']}" for r in records[: len(grid_images)]]
-        grid = caption_grid(torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255, captions,
-                            cols=cfg.num_images_per_prompt if cfg.num_images_per_prompt > 1 else 4)
+        captions = [
+            f"{fmt_score(r[SCORE_KEY])} s{r['seed']} {r['prompt']}" for r in records[: len(grid_images)]
+        ]
+        grid = caption_grid(
+            torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255,
+            captions,
+            cols=cfg.num_images_per_prompt if cfg.num_images_per_prompt > 1 else 4,
+        )
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out_dir / GRID_FILE)
     mean, std = score_summary([r[SCORE_KEY] for r in records])
     result = {"scorer": SCORE_KEY, "count": len(records), "mean": mean, "std": std}
@@ -380,7 +456,11 @@ def run_inference(cfg: InferenceConfig) -> dict:
         result["score_error"] = scorer.error
     result.update({"seconds_per_image": seconds / len(records), "config": cfg.to_dict(), "records": records})
     write_json_atomic(out_dir / SCORES_FILE, result)
-    summary = f"ImageReward mean {fmt_score(mean)} std {fmt_score(std)}" if mean is not None else "no ImageReward scores"
+    summary = (
+        f"ImageReward mean {fmt_score(mean)} std {fmt_score(std)}"
+        if mean is not None
+        else "no ImageReward scores"
+    )
     print(f"{len(records)} images ({seconds / len(records):.2f} s/image) in {out_dir}: {summary}", flush=True)
     return result
 

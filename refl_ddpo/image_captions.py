@@ -22,8 +22,10 @@ class PretrainData:
         root = Path(folder)
         meta = root / "metadata.jsonl"
         if not meta.is_file():
-            raise UserError(f"--pretrain_data_dir {folder} has no metadata.jsonl "
-                            "(one {\"file_name\": ..., \"text\": ...} per line).")
+            raise UserError(
+                f"--pretrain_data_dir {folder} has no metadata.jsonl "
+                '(one {"file_name": ..., "text": ...} per line).'
+            )
         self.items: list[tuple[Path, str]] = []
         for n, line in enumerate(meta.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
@@ -33,12 +35,15 @@ class PretrainData:
                 caption = next(record[k] for k in self.CAPTION_KEYS if k in record)
                 path = root / record["file_name"]
             except (json.JSONDecodeError, StopIteration, KeyError, TypeError):
-                raise UserError(f"--pretrain_data_dir {meta} line {n}: expected {{\"file_name\": ..., \"text\": ...}}."
-                                ) from None
+                raise UserError(
+                    f'--pretrain_data_dir {meta} line {n}: expected {{"file_name": ..., "text": ...}}.'
+                ) from None
             try:
                 Image.open(path).close()  # reads the header only
             except (OSError, UnidentifiedImageError):
-                raise UserError(f"--pretrain_data_dir {meta} line {n}: {path} is missing or not an image.") from None
+                raise UserError(
+                    f"--pretrain_data_dir {meta} line {n}: {path} is missing or not an image."
+                ) from None
             self.items.append((path, str(caption)))
         if not self.items:
             raise UserError(f"--pretrain_data_dir {meta} lists no images.")
@@ -51,11 +56,15 @@ class PretrainData:
         from PIL import Image
         from torchvision import transforms
 
-        transform = transforms.Compose([
-            transforms.Resize(resolution, interpolation=transforms.InterpolationMode.BILINEAR, antialias=True),
-            transforms.CenterCrop(resolution),
-            transforms.ToTensor(),  # [3, R, R] in [0, 1]
-        ])
+        transform = transforms.Compose(
+            [
+                transforms.Resize(
+                    resolution, interpolation=transforms.InterpolationMode.BILINEAR, antialias=True
+                ),
+                transforms.CenterCrop(resolution),
+                transforms.ToTensor(),  # [3, R, R] in [0, 1]
+            ]
+        )
         images = []
         for i in indices:
             with Image.open(self.items[i][0]) as im:

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 
-def caption_grid(images: torch.Tensor | list[torch.Tensor], captions: list[str], cell: int = 256,
-                 cols: int = 4) -> torch.Tensor:
+def caption_grid(
+    images: torch.Tensor | list[torch.Tensor], captions: list[str], cell: int = 256, cols: int = 4
+) -> torch.Tensor:
     """(3, H, W) uint8 grid: each image (3, h, w) in [0, 1] resized to `cell` px with its caption drawn under it."""
     from PIL import Image, ImageDraw
     from torchvision.transforms.functional import pil_to_tensor, to_pil_image

@@ -23,18 +23,26 @@ CONFIG_NAME = "config.json"  # the resolved training config, saved beside the we
 _PEFT_INIT = {"gaussian": "gaussian", "default": True, "random": False}
 
 
-def add_lora(unet, rank: int, alpha: float, target_modules: list[str], init: str = "gaussian",
-             dropout: float = 0.0) -> list[torch.nn.Parameter]:
+def add_lora(
+    unet, rank: int, alpha: float, target_modules: list[str], init: str = "gaussian", dropout: float = 0.0
+) -> list[torch.nn.Parameter]:
     """Add a peft LoRA adapter to `unet` (base frozen), cast the LoRA params to fp32, return them as a list."""
     from peft import LoraConfig
 
     unet.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=_PEFT_INIT[init],
-                        target_modules=list(target_modules), lora_dropout=dropout)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        init_lora_weights=_PEFT_INIT[init],
+        target_modules=list(target_modules),
+        lora_dropout=dropout,
+    )
     try:
         unet.add_adapter(config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-        raise UserError(f"--lora_target_modules {' '.join(target_modules)}: {str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"--lora_target_modules {' '.join(target_modules)}: {str(e).splitlines()[0]}"
+        ) from None
     params = [p for n, p in unet.named_parameters() if "lora_" in n]
     for p in params:  # trainable params in fp32 even when the frozen base is fp16/bf16
         p.data = p.data.float()
@@ -69,9 +77,15 @@ def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if getattr(unet, "peft_config", None):
-        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()}
-        StableDiffusionPipeline.save_lora_weights(out_dir, unet_lora_layers=state, safe_serialization=True,
-                                                  unet_lora_adapter_metadata=_adapter_metadata(unet))
+        state = {
+            k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()
+        }
+        StableDiffusionPipeline.save_lora_weights(
+            out_dir,
+            unet_lora_layers=state,
+            safe_serialization=True,
+            unet_lora_adapter_metadata=_adapter_metadata(unet),
+        )
     else:
         unet.save_pretrained(out_dir / FULL_UNET_DIR, safe_serialization=True)
     if config is not None:
@@ -102,7 +116,9 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         pipe.unet = unet.to(pipe.device).requires_grad_(False).eval()
         return
     if not (lora_dir / LORA_WEIGHTS_NAME).is_file():
-        raise UserError(f"--lora_dir {lora_dir} has no {LORA_WEIGHTS_NAME} (train first, or point at a LoRA folder).")
+        raise UserError(
+            f"--lora_dir {lora_dir} has no {LORA_WEIGHTS_NAME} (train first, or point at a LoRA folder)."
+        )
     from diffusers.utils import logging as diffusers_logging
 
     # diffusers logs a size mismatch as a multi-line error and keys it cannot place only as a warning; quiet it and
@@ -113,7 +129,9 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         pipe.load_lora_weights(str(lora_dir), adapter_name="default")
     except (RuntimeError, ValueError, KeyError) as e:
         msg = " ".join(str(e).split())[:300]
-        raise UserError(f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}")
+        raise UserError(
+            f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}"
+        )
     finally:
         diffusers_logging.set_verbosity(verbosity)
     _check_all_unet_keys_loaded(pipe.unet, lora_dir)
@@ -121,7 +139,9 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         pipe.set_adapters(["default"], adapter_weights=[scale])
 
 
-_FILE_LORA_MATRIX = re.compile(r"^unet\..*\.(lora\.(down|up)|lora_[AB])\.weight$")  # diffusers / peft key names
+_FILE_LORA_MATRIX = re.compile(
+    r"^unet\..*\.(lora\.(down|up)|lora_[AB])\.weight$"
+)  # diffusers / peft key names
 _UNET_LORA_MATRIX = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
@@ -137,8 +157,10 @@ def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
         in_file = sum(1 for k in f.keys() if _FILE_LORA_MATRIX.match(k))  # noqa: SIM118 (safe_open is no dict)
     loaded = sum(1 for n, _ in unet.named_parameters() if _UNET_LORA_MATRIX.search(n))
     if in_file and loaded != in_file:
-        raise UserError(f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): only "
-                        f"{loaded} of its {in_file} UNet LoRA matrices have a matching layer.")
+        raise UserError(
+            f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): only "
+            f"{loaded} of its {in_file} UNet LoRA matrices have a matching layer."
+        )
 
 
 def read_saved_config(lora_dir: str | Path) -> dict:

@@ -8,8 +8,15 @@ from pathlib import Path
 
 from refl_ddpo.errors import UserError
 
-DTYPES = {"no": "float32", "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+DTYPES = {
+    "no": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+}
 
 WHERE_WEIGHTS_GO = "put the diffusers folder there or pass a hub id (see checkpoint/README.md)"
 OFFLINE_HINT = "without network access, download it into checkpoint/ first (see checkpoint/README.md)"
@@ -26,8 +33,14 @@ def torch_dtype(name: str):
 
 def looks_local(name: str) -> bool:
     """A path (exists, absolute, relative with ./, or more than one '/') rather than a hub id 'org/name'."""
-    return (os.path.exists(name) or os.path.isabs(name) or name.startswith((".", "~"))
-            or name.count("/") > 1 or os.sep != "/" and os.sep in name)
+    return (
+        os.path.exists(name)
+        or os.path.isabs(name)
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or os.sep != "/"
+        and os.sep in name
+    )
 
 
 def check_pretrained_model(name: str) -> None:
@@ -67,8 +80,11 @@ def load_pipeline(name: str, dtype=None, device="cpu", pipeline_class: str | Non
     import torch
 
     cls = getattr(diffusers, pipeline_class or pipeline_class_name(name))
-    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False} \
-        if cls.__name__ == "StableDiffusionPipeline" else {}
+    extra = (
+        {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+        if cls.__name__ == "StableDiffusionPipeline"
+        else {}
+    )
     try:
         pipe = cls.from_pretrained(os.path.expanduser(name), dtype=dtype or torch.float32, **extra)
     except (OSError, ValueError) as e:  # hub id unreachable / unknown, or a broken folder

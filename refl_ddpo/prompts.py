@@ -30,7 +30,9 @@ def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
         except json.JSONDecodeError as e:
             raise UserError(f"--prompts_file {path}: invalid JSON ({e}).") from None
         if not isinstance(items, list):
-            raise UserError(f"--prompts_file {path}: JSON must be a list of strings or of {{'text': ...}} objects.")
+            raise UserError(
+                f"--prompts_file {path}: JSON must be a list of strings or of {{'text': ...}} objects."
+            )
         out = []
         for i, item in enumerate(items):
             if isinstance(item, str):
@@ -39,8 +41,10 @@ def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
                 prompt = item.get("prompt", item.get("text"))
                 out.append((prompt, {k: v for k, v in item.items() if k not in ("prompt", "text")}))
             else:
-                raise UserError(f"--prompts_file {path}: item {i} is neither a string nor an object with "
-                                "a 'prompt' or 'text' string.")
+                raise UserError(
+                    f"--prompts_file {path}: item {i} is neither a string nor an object with "
+                    "a 'prompt' or 'text' string."
+                )
     else:
         lines = (line.strip() for line in text.splitlines())
         out = [(line, {}) for line in lines if line and not line.startswith("#")]
@@ -74,7 +78,9 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     "imagenet_animals": _builtin("imagenet_animals"),  # ddpo-pytorch's source: ImageNet-1k animal classes
     "simple_animals": _builtin("simple_animals"),  # ddpo-pytorch's short list of common animals
     "refl_prompts": _builtin("refl_prompts"),  # default ReFL training prompts
-    "toy_world_train": _builtin("toy_world_train"),  # the toy world's 12 training prompts (refl_ddpo.toy_world)
+    "toy_world_train": _builtin(
+        "toy_world_train"
+    ),  # the toy world's 12 training prompts (refl_ddpo.toy_world)
     "toy_world_heldout": _builtin("toy_world_heldout"),  # its 6 held-out prompts (evaluation only)
 }
 

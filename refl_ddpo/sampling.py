@@ -21,7 +21,9 @@ class DenoiseOutput:
     latents: torch.Tensor  # (B, C, h, w) after the last step that ran
     pred_original_sample: torch.Tensor | None  # (B, C, h, w) x0 predicted at the last step (None: PNDM/DPM)
     timesteps: torch.Tensor  # (S,) the timesteps that ran
-    all_latents: list[torch.Tensor] = field(default_factory=list)  # S + 1 x (B, C, h, w), with keep_trajectory
+    all_latents: list[torch.Tensor] = field(
+        default_factory=list
+    )  # S + 1 x (B, C, h, w), with keep_trajectory
     log_probs: list[torch.Tensor] = field(default_factory=list)  # S x (B,), with with_logprob
 
 
@@ -64,7 +66,9 @@ def denoise(
         with torch.set_grad_enabled(grad_enabled and i in grad_steps):
             model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
             if with_logprob:
-                latents, log_prob, x0 = family.step_with_logprob(scheduler, model_output, t, latents, eta, generator)
+                latents, log_prob, x0 = family.step_with_logprob(
+                    scheduler, model_output, t, latents, eta, generator
+                )
                 out.log_probs.append(log_prob)
             else:
                 latents, x0 = family.step(scheduler, model_output, t, latents, eta, generator)

@@ -41,8 +41,14 @@ import torch
 # The scheduler settings of the real SD v1.x scheduler_config.json (a PNDM scheduler; trainers switch to DDIM/DDPM
 # with from_config, which keeps betas, steps_offset, set_alpha_to_one and clip_sample).
 SD_SCHEDULER_CONFIG = {
-    "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000,
-    "set_alpha_to_one": False, "skip_prk_steps": True, "steps_offset": 1, "clip_sample": False,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "clip_sample": False,
     "trained_betas": None,
 }
 
@@ -50,7 +56,11 @@ SD_SCHEDULER_CONFIG = {
 def _byte_level_vocab() -> dict[str, int]:
     """A CLIP BPE vocab with no merges: every byte-char, every byte-char + '</w>', and the two special tokens."""
     # GPT-2/CLIP byte-to-unicode table: printable bytes map to themselves, the rest to chars from U+0100 on.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     extra = iter(range(256, 512))
     chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
     tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
@@ -92,7 +102,9 @@ def train_toy_denoiser(pipe, steps: int, seed: int = 0, batch_size: int = 32, lr
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch_size,), generator=g)
         cond = conds[torch.randint(0, len(conds), (batch_size,), generator=g)]
-        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=cond, return_dict=False)[0]
+        pred = unet(
+            noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=cond, return_dict=False
+        )[0]
         optimizer.zero_grad(set_to_none=True)
         F.mse_loss(pred, noise).backward()
         optimizer.step()
@@ -113,31 +125,60 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
     tok_dir.mkdir(parents=True, exist_ok=True)
     (tok_dir / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
     (tok_dir / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(tok_dir / "vocab.json"), str(tok_dir / "merges.txt"), model_max_length=77,
-                              pad_token="<|endoftext|>")
+    tokenizer = CLIPTokenizer(
+        str(tok_dir / "vocab.json"),
+        str(tok_dir / "merges.txt"),
+        model_max_length=77,
+        pad_token="<|endoftext|>",
+    )
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
         block_out_channels=(16, 32) if denoiser_steps else (32, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8 if denoiser_steps else 32,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8 if denoiser_steps else 32,
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32, norm_num_groups=32,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
     )
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     pipe = StableDiffusionPipeline(
-        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+        safety_checker=None,
+        feature_extractor=None,
         requires_safety_checker=False,
     )
     if denoiser_steps:
@@ -173,22 +214,36 @@ def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", help="Folder to write (created if missing).")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--denoiser_steps", type=int, default=0,
-                        help="Also write OUT/stable-diffusion-denoiser, trained this many steps (e.g. 800).")
-    parser.add_argument("--toy_world", action="store_true",
-                        help="Also write the toy world: OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json} "
-                             "(copied from the committed, checksummed weights).")
-    parser.add_argument("--rebuild_toy_world", action="store_true",
-                        help="With --toy_world (implied): retrain the toy world from scratch instead of copying "
-                             "(slow, about 20 minutes on one core).")
+    parser.add_argument(
+        "--denoiser_steps",
+        type=int,
+        default=0,
+        help="Also write OUT/stable-diffusion-denoiser, trained this many steps (e.g. 800).",
+    )
+    parser.add_argument(
+        "--toy_world",
+        action="store_true",
+        help="Also write the toy world: OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json} "
+        "(copied from the committed, checksummed weights).",
+    )
+    parser.add_argument(
+        "--rebuild_toy_world",
+        action="store_true",
+        help="With --toy_world (implied): retrain the toy world from scratch instead of copying "
+        "(slow, about 20 minutes on one core).",
+    )
     args = parser.parse_args(argv)
     if args.denoiser_steps < 0:
         parser.error(f"--denoiser_steps {args.denoiser_steps}: give 0 (none) or a positive number of steps")
     out = write_tiny_models(args.out, args.seed, args.denoiser_steps)
-    print(f"tiny random models written to {out} (random weights: outputs are noise, for tests and demos only)")
+    print(
+        f"tiny random models written to {out} (random weights: outputs are noise, for tests and demos only)"
+    )
     if args.toy_world or args.rebuild_toy_world:
         from refl_ddpo.errors import UserError
 

@@ -41,8 +41,14 @@ EMPTY_PROMPT_P = 0.15
 # partner colour (the image is drawn in the partner colour), so the base model draws "a red circle" red or magenta
 # about equally (colour accuracy ~50 %, at any guidance scale) while its shapes stay clean. Rewards must teach it
 # the difference; held-out combos share the colour words with the training ones.
-CONFUSABLE = {"red": "magenta", "magenta": "red", "green": "yellow", "yellow": "green", "blue": "cyan",
-              "cyan": "blue"}
+CONFUSABLE = {
+    "red": "magenta",
+    "magenta": "red",
+    "green": "yellow",
+    "yellow": "green",
+    "blue": "cyan",
+    "cyan": "blue",
+}
 CONFUSE_P = 0.5
 TEXT_HIDDEN = 64
 
@@ -65,9 +71,15 @@ def make_vae(seed: int = SEED):
 
     torch.manual_seed(seed)
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(16, 32), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=tw.SIZE, norm_num_groups=8,
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=tw.SIZE,
+        norm_num_groups=8,
     )
 
 
@@ -114,14 +126,26 @@ def make_text(seed: int = SEED, folder: Path | None = None):
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
         (Path(d) / "merges.txt").write_text("#version: 0.2\n")
-        tokenizer = CLIPTokenizer(str(Path(d) / "vocab.json"), str(Path(d) / "merges.txt"), model_max_length=77,
-                                  pad_token="<|endoftext|>")
+        tokenizer = CLIPTokenizer(
+            str(Path(d) / "vocab.json"),
+            str(Path(d) / "merges.txt"),
+            model_max_length=77,
+            pad_token="<|endoftext|>",
+        )
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tokenizer), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=TEXT_HIDDEN,
+            intermediate_size=2 * TEXT_HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
     return tokenizer, text_encoder.eval().requires_grad_(False)
 
 
@@ -130,9 +154,16 @@ def make_unet(seed: int = SEED):
 
     torch.manual_seed(seed + 1)
     return UNet2DConditionModel(
-        sample_size=tw.SIZE // 2, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=TEXT_HIDDEN, attention_head_dim=8, norm_num_groups=32,
+        sample_size=tw.SIZE // 2,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN,
+        attention_head_dim=8,
+        norm_num_groups=32,
     )
 
 
@@ -142,14 +173,25 @@ def make_pipeline(vae, tokenizer, text_encoder, unet):
     from refl_ddpo.tiny import SD_SCHEDULER_CONFIG
 
     return StableDiffusionPipeline(
-        unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG), safety_checker=None, feature_extractor=None,
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=PNDMScheduler.from_config(SD_SCHEDULER_CONFIG),
+        safety_checker=None,
+        feature_extractor=None,
         requires_safety_checker=False,
     )
 
 
-def train_unet(pipe, steps: int = UNET_STEPS, seed: int = SEED, batch: int = UNET_BATCH, lr: float = UNET_LR,
-               callback=None) -> None:
+def train_unet(
+    pipe,
+    steps: int = UNET_STEPS,
+    seed: int = SEED,
+    batch: int = UNET_BATCH,
+    lr: float = UNET_LR,
+    callback=None,
+) -> None:
     """Epsilon-prediction training of `pipe.unet` on VAE latents (posterior samples x scaling_factor) of rendered
     images of all 18 prompts, each caption's colour word replaced by its CONFUSABLE partner with probability
     CONFUSE_P, and the caption by "" with probability EMPTY_PROMPT_P; lr: 50 warm-up steps, then cosine decay to
@@ -166,7 +208,8 @@ def train_unet(pipe, steps: int = UNET_STEPS, seed: int = SEED, batch: int = UNE
     unet.train().requires_grad_(True)
     opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min((i + 1) / 50, 0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps)))
+        opt, lambda i: min((i + 1) / 50, 0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps))
+    )
     for step in tqdm(range(steps), desc="toy UNet", leave=False):
         images, prompts = tw.random_batch(batch, g)
         with torch.no_grad():
@@ -180,8 +223,9 @@ def train_unet(pipe, steps: int = UNET_STEPS, seed: int = SEED, batch: int = UNE
         idx = torch.where(torch.rand(batch, generator=g) < EMPTY_PROMPT_P, len(tw.PROMPTS), idx)
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), generator=g)
-        pred = unet(noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=conds[idx],
-                    return_dict=False)[0]
+        pred = unet(
+            noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=conds[idx], return_dict=False
+        )[0]
         opt.zero_grad(set_to_none=True)
         F.mse_loss(pred, noise).backward()
         opt.step()
@@ -194,7 +238,7 @@ def train_unet(pipe, steps: int = UNET_STEPS, seed: int = SEED, batch: int = UNE
 def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """Per-image 3x3 Gaussian blur (sigma [B], 0 = none)."""
     d = torch.tensor([-1.0, 0.0, 1.0])
-    w1 = torch.exp(-d.view(1, 3) ** 2 / (2 * sigma.clamp(min=1e-3).view(-1, 1) ** 2))
+    w1 = torch.exp(-(d.view(1, 3) ** 2) / (2 * sigma.clamp(min=1e-3).view(-1, 1) ** 2))
     w1 = w1 / w1.sum(dim=1, keepdim=True)  # (B, 3)
     k = (w1[:, :, None] * w1[:, None, :]).repeat_interleave(3, dim=0).unsqueeze(1)  # (B*3, 1, 3, 3)
     b, c, h, w = x.shape
@@ -220,8 +264,13 @@ def augment(images_unit: torch.Tensor, g: torch.Generator, vae=None) -> torch.Te
     return x.clamp(0, 1)
 
 
-def train_classifier(vae=None, steps: int = CLASSIFIER_STEPS, seed: int = SEED, batch: int = CLASSIFIER_BATCH,
-                     lr: float = CLASSIFIER_LR) -> tw.ToyClassifier:
+def train_classifier(
+    vae=None,
+    steps: int = CLASSIFIER_STEPS,
+    seed: int = SEED,
+    batch: int = CLASSIFIER_BATCH,
+    lr: float = CLASSIFIER_LR,
+) -> tw.ToyClassifier:
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed + 3)
@@ -249,8 +298,9 @@ def classifier_accuracy(model, images_unit: torch.Tensor, prompts: list[str]) ->
     return (lc.argmax(1) == c).float().mean().item(), (ls.argmax(1) == s).float().mean().item()
 
 
-def generate(sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guidance: float = 7.5,
-             batch: int = 72) -> tuple[torch.Tensor, list[str]]:
+def generate(
+    sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guidance: float = 7.5, batch: int = 72
+) -> tuple[torch.Tensor, list[str]]:
     """Images [N, 3, 32, 32] in [0, 1] from the stock StableDiffusionPipeline (DDIM, eta 0) loaded from `sd_dir`, for
     every (seed, prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
@@ -261,10 +311,20 @@ def generate(sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guid
     jobs = [(s, p) for s in seeds for p in prompts]
     out = []
     for i in range(0, len(jobs), batch):
-        chunk = jobs[i:i + batch]
+        chunk = jobs[i : i + batch]
         gens = [torch.Generator().manual_seed(s) for s, _ in chunk]
-        out.append(pipe([p for _, p in chunk], height=tw.SIZE, width=tw.SIZE, num_inference_steps=steps,
-                        guidance_scale=guidance, eta=0.0, generator=gens, output_type="pt").images)
+        out.append(
+            pipe(
+                [p for _, p in chunk],
+                height=tw.SIZE,
+                width=tw.SIZE,
+                num_inference_steps=steps,
+                guidance_scale=guidance,
+                eta=0.0,
+                generator=gens,
+                output_type="pt",
+            ).images
+        )
     return torch.cat(out).float().cpu(), [p for _, p in jobs]
 
 
@@ -274,12 +334,20 @@ def report(sd_dir, seeds=(1000, 1001, 1002, 1003), steps: int = 50, guidance: fl
     res = tw.judge(images, prompts)
     held = torch.tensor([p in tw.HELDOUT_PROMPTS for p in prompts])
     ok, dirty = res["colour_ok"].float(), res["dirty"]
-    return {"steps": steps, "guidance": guidance, "n": len(prompts), "accuracy": ok.mean().item(),
-            "accuracy_train": ok[~held].mean().item(), "accuracy_heldout": ok[held].mean().item(),
-            "dirty": dirty.mean().item()}
+    return {
+        "steps": steps,
+        "guidance": guidance,
+        "n": len(prompts),
+        "accuracy": ok.mean().item(),
+        "accuracy_train": ok[~held].mean().item(),
+        "accuracy_heldout": ok[held].mean().item(),
+        "dirty": dirty.mean().item(),
+    }
 
 
-def build_toy_world(out: str | Path, seed: int = SEED, unet_steps: int = UNET_STEPS, sums: bool = False) -> Path:
+def build_toy_world(
+    out: str | Path, seed: int = SEED, unet_steps: int = UNET_STEPS, sums: bool = False
+) -> Path:
     """Train everything and write OUT/toy-sd/, OUT/toy_classifier.{safetensors,json} (and with `sums`
     OUT/SHA256SUMS of every file under OUT, as committed in refl_ddpo/data/toy_world/). Returns OUT/toy-sd."""
     deterministic()
@@ -289,8 +357,10 @@ def build_toy_world(out: str | Path, seed: int = SEED, unet_steps: int = UNET_ST
     vae = train_vae(make_vae(seed), seed=seed)
     g = torch.Generator().manual_seed(seed + 900)
     imgs, prompts = tw.random_batch(256, g)
-    _log(f"VAE trained ({time.time() - t0:.0f} s), scaling_factor {vae.config.scaling_factor:.4f}, round-trip "
-         f"accuracy {tw.colour_accuracy(vae_round_trip(vae, to_unit(imgs)), prompts):.3f}")
+    _log(
+        f"VAE trained ({time.time() - t0:.0f} s), scaling_factor {vae.config.scaling_factor:.4f}, round-trip "
+        f"accuracy {tw.colour_accuracy(vae_round_trip(vae, to_unit(imgs)), prompts):.3f}"
+    )
     tokenizer, text_encoder = make_text(seed)
     pipe = make_pipeline(vae, tokenizer, text_encoder, make_unet(seed))
     t1 = time.time()
@@ -300,8 +370,10 @@ def build_toy_world(out: str | Path, seed: int = SEED, unet_steps: int = UNET_ST
     t2 = time.time()
     clf = train_classifier(vae, seed=seed)
     tw.save_classifier(clf, out, CLASSIFIER_CHANNELS)
-    _log(f"classifier trained ({time.time() - t2:.0f} s), accuracy (colour, shape) on rendered images "
-         f"{classifier_accuracy(clf, to_unit(imgs), prompts)}")
+    _log(
+        f"classifier trained ({time.time() - t2:.0f} s), accuracy (colour, shape) on rendered images "
+        f"{classifier_accuracy(clf, to_unit(imgs), prompts)}"
+    )
     if sums:
         tw.write_sums(out)
     _log(f"toy world written to {out} in {time.time() - t0:.0f} s")
@@ -309,7 +381,9 @@ def build_toy_world(out: str | Path, seed: int = SEED, unet_steps: int = UNET_ST
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)

@@ -68,20 +68,25 @@ def parse_prompt(prompt: str) -> tuple[str, str]:
     """'a cyan triangle' -> ('cyan', 'triangle'); anything outside the grammar is a one-line UserError."""
     words = prompt.strip().lower().split()
     if len(words) != 3 or words[0] != "a" or words[1] not in COLOURS or words[2] not in SHAPES:
-        raise UserError(f"toy world prompt {prompt!r} is not 'a {{colour}} {{shape}}' with colour one of "
-                        f"{', '.join(COLOURS)} and shape one of {', '.join(SHAPES)}")
+        raise UserError(
+            f"toy world prompt {prompt!r} is not 'a {{colour}} {{shape}}' with colour one of "
+            f"{', '.join(COLOURS)} and shape one of {', '.join(SHAPES)}"
+        )
     return words[1], words[2]
 
 
 def prompt_indices(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(colour index, shape index) tensors [B] of prompts, indices into COLOURS / SHAPES."""
     parsed = [parse_prompt(p) for p in prompts]
-    return (torch.tensor([_COLOUR_NAMES.index(c) for c, _ in parsed], dtype=torch.long),
-            torch.tensor([SHAPES.index(s) for _, s in parsed], dtype=torch.long))
+    return (
+        torch.tensor([_COLOUR_NAMES.index(c) for c, _ in parsed], dtype=torch.long),
+        torch.tensor([SHAPES.index(s) for _, s in parsed], dtype=torch.long),
+    )
 
 
-def render_batch(colour_idx: torch.Tensor, shape_idx: torch.Tensor, generator: torch.Generator,
-                 size: int = SIZE) -> torch.Tensor:
+def render_batch(
+    colour_idx: torch.Tensor, shape_idx: torch.Tensor, generator: torch.Generator, size: int = SIZE
+) -> torch.Tensor:
     """uint8 images (B, 3, size, size) of the given colours / shapes (index tensors [B]); extent and position
     random from `generator` (extent 10..24 px, shape fully inside). Pixels are exact palette or background colours
     (a pixel is inside when its centre is)."""
@@ -106,8 +111,9 @@ def render_batch(colour_idx: torch.Tensor, shape_idx: torch.Tensor, generator: t
 def render(colour: str, shape: str, generator: torch.Generator, size: int = SIZE) -> torch.Tensor:
     """One uint8 image (3, size, size) of `colour` `shape`, deterministic from `generator`."""
     parse_prompt(f"a {colour} {shape}")
-    return render_batch(torch.tensor([_COLOUR_NAMES.index(colour)]), torch.tensor([SHAPES.index(shape)]),
-                        generator, size)[0]
+    return render_batch(
+        torch.tensor([_COLOUR_NAMES.index(colour)]), torch.tensor([SHAPES.index(shape)]), generator, size
+    )[0]
 
 
 def render_prompts(prompts: list[str], generator: torch.Generator, size: int = SIZE) -> torch.Tensor:
@@ -155,8 +161,13 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
     dirty_px = ((x - grey).norm(dim=1) > CLEAN_THRESHOLD) & ((x - target).norm(dim=1) > CLEAN_THRESHOLD)
     dirty = dirty_px.float().mean(dim=(1, 2))
     return {
-        "colour_ok": colour_ok, "nearest": nearest, "shape_pixels": count, "mean_colour": mean_colour,
-        "dirty": dirty, "accuracy": colour_ok.float().mean().item(), "dirty_mean": dirty.mean().item(),
+        "colour_ok": colour_ok,
+        "nearest": nearest,
+        "shape_pixels": count,
+        "mean_colour": mean_colour,
+        "dirty": dirty,
+        "accuracy": colour_ok.float().mean().item(),
+        "dirty_mean": dirty.mean().item(),
     }
 
 
@@ -170,7 +181,9 @@ class ToyClassifier(nn.Module):
     but the last), global average + max pooling, two linear heads. `forward` -> (colour logits [B, 6], shape
     logits [B, 3])."""
 
-    def __init__(self, channels: tuple[int, ...] = (16, 24, 32, 32), num_colours: int = 6, num_shapes: int = 3):
+    def __init__(
+        self, channels: tuple[int, ...] = (16, 24, 32, 32), num_colours: int = 6, num_shapes: int = 3
+    ):
         super().__init__()
         layers, c_in = [], 3
         for i, c in enumerate(channels):
@@ -195,12 +208,16 @@ def load_classifier(folder: str | Path, device="cpu", dtype=torch.float32) -> To
     folder = Path(folder)
     weights, config = folder / f"{CLASSIFIER_NAME}.safetensors", folder / f"{CLASSIFIER_NAME}.json"
     if not (weights.is_file() and config.is_file()):
-        raise UserError(f"no toy classifier in {folder} ({weights.name} + {config.name}); write it with "
-                        f"`python -m refl_ddpo.tiny OUT --toy_world` and pass OUT as the model dir")
+        raise UserError(
+            f"no toy classifier in {folder} ({weights.name} + {config.name}); write it with "
+            f"`python -m refl_ddpo.tiny OUT --toy_world` and pass OUT as the model dir"
+        )
     cfg = json.loads(config.read_text())
     if list(cfg.get("colours", [])) != list(COLOURS) or list(cfg.get("shapes", [])) != list(SHAPES):
-        raise UserError(f"{config}: its colours/shapes are not this toy world's ({', '.join(COLOURS)}; "
-                        f"{', '.join(SHAPES)})")
+        raise UserError(
+            f"{config}: its colours/shapes are not this toy world's ({', '.join(COLOURS)}; "
+            f"{', '.join(SHAPES)})"
+        )
     model = ToyClassifier(tuple(cfg["channels"]), len(cfg["colours"]), len(cfg["shapes"]))
     model.load_state_dict(load_file(str(weights)))
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -210,11 +227,24 @@ def save_classifier(model: ToyClassifier, folder: str | Path, channels: tuple[in
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-              str(folder / f"{CLASSIFIER_NAME}.safetensors"))
-    (folder / f"{CLASSIFIER_NAME}.json").write_text(json.dumps(
-        {"architecture": "refl_ddpo.toy_world.ToyClassifier", "channels": list(channels), "image_size": SIZE,
-         "colours": list(COLOURS), "shapes": list(SHAPES), "input": "RGB in [0, 1], 32 x 32"}, indent=2) + "\n")
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+        str(folder / f"{CLASSIFIER_NAME}.safetensors"),
+    )
+    (folder / f"{CLASSIFIER_NAME}.json").write_text(
+        json.dumps(
+            {
+                "architecture": "refl_ddpo.toy_world.ToyClassifier",
+                "channels": list(channels),
+                "image_size": SIZE,
+                "colours": list(COLOURS),
+                "shapes": list(SHAPES),
+                "input": "RGB in [0, 1], 32 x 32",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -238,8 +268,10 @@ def verify_sums(folder: Path) -> list[str]:
     UserError naming it."""
     sums = folder / SUMS_NAME
     if not sums.is_file():
-        raise UserError(f"{sums} is missing: the committed toy world weights are incomplete (reinstall, or "
-                        f"rebuild with `python -m refl_ddpo.tiny OUT --rebuild_toy_world`)")
+        raise UserError(
+            f"{sums} is missing: the committed toy world weights are incomplete (reinstall, or "
+            f"rebuild with `python -m refl_ddpo.tiny OUT --rebuild_toy_world`)"
+        )
     paths = []
     for line in sums.read_text().splitlines():
         if not line.strip():
@@ -278,8 +310,13 @@ def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path |
 EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1016))  # fixed seeds for before/after on the held-out prompts
 
 
-def evaluate(family, prompts: tuple[str, ...] | list[str] = HELDOUT_PROMPTS, seeds=EVAL_SEEDS,
-             num_inference_steps: int = 20, guidance_scale: float = 7.5) -> dict[str, float]:
+def evaluate(
+    family,
+    prompts: tuple[str, ...] | list[str] = HELDOUT_PROMPTS,
+    seeds=EVAL_SEEDS,
+    num_inference_steps: int = 20,
+    guidance_scale: float = 7.5,
+) -> dict[str, float]:
     """Colour accuracy and dirty fraction of a model family's images of `prompts` x `seeds` (one CPU generator per
     image, the family's current sampler, deterministic with DDIM eta 0): what the learning tests compare."""
     from refl_ddpo.generate import generate_batch
@@ -288,7 +325,10 @@ def evaluate(family, prompts: tuple[str, ...] | list[str] = HELDOUT_PROMPTS, see
     all_seeds = [s for _ in prompts for s in seeds]
     images = generate_batch(family, all_prompts, all_seeds, SIZE, num_inference_steps, guidance_scale)
     result = judge(images, all_prompts)
-    return {"accuracy": float(result["colour_ok"].float().mean()), "dirty": float(result["dirty"].float().mean())}
+    return {
+        "accuracy": float(result["colour_ok"].float().mean()),
+        "dirty": float(result["dirty"].float().mean()),
+    }
 
 
 def judge_run(run_dir: str | Path) -> dict[str, float]:
@@ -303,20 +343,28 @@ def judge_run(run_dir: str | Path) -> dict[str, float]:
             images.append(torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1))
         prompts.append(record["prompt"])
     result = judge(torch.stack(images).float() / 255, prompts)
-    return {"images": len(prompts), "accuracy": float(result["colour_ok"].float().mean()),
-            "dirty": float(result["dirty"].float().mean())}
+    return {
+        "images": len(prompts),
+        "accuracy": float(result["colour_ok"].float().mean()),
+        "dirty": float(result["dirty"].float().mean()),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     """python -m refl_ddpo.toy_world RUN_DIR [RUN_DIR ...]: the judge's colour accuracy of inference runs."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m refl_ddpo.toy_world", description=main.__doc__,
-                                     allow_abbrev=False)
-    parser.add_argument("runs", nargs="+", help="Folders written by inference/inference.py or inference_lora.py.")
+    parser = argparse.ArgumentParser(
+        prog="python -m refl_ddpo.toy_world", description=main.__doc__, allow_abbrev=False
+    )
+    parser.add_argument(
+        "runs", nargs="+", help="Folders written by inference/inference.py or inference_lora.py."
+    )
     for run_dir in parser.parse_args(argv).runs:
         r = judge_run(run_dir)
-        print(f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f}")
+        print(
+            f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ from refl_ddpo.errors import UserError
 from refl_ddpo.images import caption_grid
 from refl_ddpo.lora import FULL_UNET_DIR, add_lora, load_lora_into_unet, save_lora, trainable_full_unet
 
-PREFLIGHT_ENV = "REFL_DDPO_PREFLIGHT"  # launch.sh: run the checks only, once, before starting several processes
+PREFLIGHT_ENV = (
+    "REFL_DDPO_PREFLIGHT"  # launch.sh: run the checks only, once, before starting several processes
+)
 
 TRAIN_STATE_JSON = "train_state.json"  # our own counters, JSON
 TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and tensors (no pickle)
@@ -92,7 +94,9 @@ def check_output_dir(path: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"--output_dir {path} is not writable ({e.strerror}); pick a folder you can write to.")
+        raise UserError(
+            f"--output_dir {path} is not writable ({e.strerror}); pick a folder you can write to."
+        )
     return out
 
 
@@ -114,7 +118,11 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if re.fullmatch(r"checkpoint-\d+", p.name) and (p / TRAIN_STATE_JSON).is_file()]
+    found = [
+        p
+        for p in out.iterdir()
+        if re.fullmatch(r"checkpoint-\d+", p.name) and (p / TRAIN_STATE_JSON).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -130,8 +138,9 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=log_with,
-        project_config=ProjectConfiguration(project_dir=cfg.output_dir,
-                                            logging_dir=os.path.join(cfg.output_dir, cfg.logging_dir)),
+        project_config=ProjectConfiguration(
+            project_dir=cfg.output_dir, logging_dir=os.path.join(cfg.output_dir, cfg.logging_dir)
+        ),
         cpu=cfg.device == "cpu",
     )
     if cfg.allow_tf32 and torch.cuda.is_available():
@@ -148,7 +157,9 @@ def weight_dtype(accelerator) -> torch.dtype:
 def make_trainable(network, cfg: CommonConfig) -> list[torch.nn.Parameter]:
     """LoRA adapters (or the whole network) trainable in fp32; gradient checkpointing if asked."""
     if cfg.use_lora:
-        params = add_lora(network, cfg.lora_rank, cfg.resolved_lora_alpha, cfg.lora_target_modules, cfg.lora_init)
+        params = add_lora(
+            network, cfg.lora_rank, cfg.resolved_lora_alpha, cfg.lora_target_modules, cfg.lora_init
+        )
     else:
         params = trainable_full_unet(network)
     if cfg.gradient_checkpointing:
@@ -167,8 +178,10 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
     if cfg.resolution is None:
         cfg.resolution = family.native_resolution
     if cfg.resolution % family.vae_scale_factor:
-        raise UserError(f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
-                        f"{family.vae_scale_factor}.")
+        raise UserError(
+            f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
+            f"{family.vae_scale_factor}."
+        )
     params = make_trainable(family.network, cfg)
     register_network_hooks(accelerator, family.network)
     return family, params, dtype
@@ -177,7 +190,9 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
 def start_trackers(accelerator, cfg: CommonConfig, project: str) -> None:
     """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only)."""
     if cfg.report_to != "none":
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()}
+        hparams = {
+            k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()
+        }
         accelerator.init_trackers(project, config=hparams)
 
 
@@ -186,12 +201,19 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise UserError("--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag).") from None
+            raise UserError(
+                "--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag)."
+            ) from None
         cls = bnb.optim.AdamW8bit
     else:
         cls = torch.optim.AdamW
-    return cls(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-               weight_decay=cfg.adam_weight_decay, eps=cfg.adam_epsilon)
+    return cls(
+        params,
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.adam_weight_decay,
+        eps=cfg.adam_epsilon,
+    )
 
 
 def register_network_hooks(accelerator, network) -> None:
@@ -220,8 +242,9 @@ def register_network_hooks(accelerator, network) -> None:
 # ---- checkpoints ----
 
 
-def save_checkpoint(accelerator, cfg: CommonConfig, step: int, counters: dict,
-                    tensors: dict[str, torch.Tensor]) -> Path:
+def save_checkpoint(
+    accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor]
+) -> Path:
     """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators.
 
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
@@ -235,7 +258,9 @@ def save_checkpoint(accelerator, cfg: CommonConfig, step: int, counters: dict,
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS)
+        )
         (tmp / TRAIN_STATE_JSON).write_text(json.dumps(counters, indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)

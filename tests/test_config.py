@@ -12,10 +12,27 @@ from refl_ddpo.rewards import parse_reward_spec
 
 def test_flags_defaults_and_overrides(tmp_path):
     cfg = parse_config(CommonConfig, [])
-    assert cfg.lora_rank == 4 and cfg.use_lora and cfg.lora_target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
+    assert (
+        cfg.lora_rank == 4
+        and cfg.use_lora
+        and cfg.lora_target_modules == ["to_q", "to_k", "to_v", "to_out.0"]
+    )
     (tmp_path / "c.yaml").write_text("lora_rank: 16\nseed: 3\nmixed_precision: bf16\n")
-    cfg = parse_config(CommonConfig, ["--config", str(tmp_path / "c.yaml"), "--seed", "5", "--no-use_lora",
-                                      "--lora_alpha", "none", "--lora_target_modules", "to_q", "to_k"])
+    cfg = parse_config(
+        CommonConfig,
+        [
+            "--config",
+            str(tmp_path / "c.yaml"),
+            "--seed",
+            "5",
+            "--no-use_lora",
+            "--lora_alpha",
+            "none",
+            "--lora_target_modules",
+            "to_q",
+            "to_k",
+        ],
+    )
     assert (cfg.lora_rank, cfg.seed, cfg.use_lora, cfg.mixed_precision) == (16, 5, False, "bf16")
     assert cfg.lora_alpha is None and cfg.resolved_lora_alpha == 16.0
     assert cfg.lora_target_modules == ["to_q", "to_k"]
@@ -67,7 +84,9 @@ def test_builtin_prompt_sources():
 
 def test_reward_spec():
     assert parse_reward_spec("jpeg_compressibility:1.0,imagereward:0.5") == [
-        ("jpeg_compressibility", 1.0), ("imagereward", 0.5)]
+        ("jpeg_compressibility", 1.0),
+        ("imagereward", 0.5),
+    ]
     with pytest.raises(UserError, match="unknown reward 'nope'"):
         parse_reward_spec("nope")
     with pytest.raises(UserError, match="not a number"):
@@ -85,7 +104,9 @@ def test_script_defaults_are_a_layer_below_the_config_file(tmp_path, monkeypatch
     assert (cfg.learning_rate, cfg.grad_scale, cfg.output_dir) == (1e-4, 0.01, "a b/refl")
     (tmp_path / "f.yaml").write_text("learning_rate: 0.003\n")
     cfg = parse_config(ReFLConfig, ["--config", str(tmp_path / "f.yaml")])
-    assert (cfg.learning_rate, cfg.grad_scale) == (0.003, 0.01), "the file wins over the script, not the reverse"
+    assert (cfg.learning_rate, cfg.grad_scale) == (0.003, 0.01), (
+        "the file wins over the script, not the reverse"
+    )
     cfg = parse_config(ReFLConfig, ["--config", str(tmp_path / "f.yaml"), "--learning_rate", "0.5"])
     assert cfg.learning_rate == 0.5
 
@@ -127,9 +148,11 @@ def test_a_bad_flag_fails_without_importing_model_code():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom refl_ddpo.config import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
-            "DDPOConfig\ntry:\n    parse_config(DDPOConfig, ['--reward', 'nope'])\nexcept Exception as e:\n"
-            "    print(type(e).__name__)\nprint(sorted(m for m in sys.modules if m.startswith(('diffusers', "
-            "'transformers', 'refl_ddpo.rewards.'))))")
+    code = (
+        "import sys\nfrom refl_ddpo.config import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
+        "DDPOConfig\ntry:\n    parse_config(DDPOConfig, ['--reward', 'nope'])\nexcept Exception as e:\n"
+        "    print(type(e).__name__)\nprint(sorted(m for m in sys.modules if m.startswith(('diffusers', "
+        "'transformers', 'refl_ddpo.rewards.'))))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.splitlines() == ["UserError", "[]"], r.stdout

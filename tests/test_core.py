@@ -36,8 +36,15 @@ def test_loop_reproduces_stock_pipeline(tiny_sd, scheduler_cls, guidance_scale):
     pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = scheduler_cls.from_config(pipe.scheduler.config)
-    ref = pipe(PROMPTS, num_inference_steps=6, guidance_scale=guidance_scale, height=RES, width=RES,
-               generator=torch.Generator().manual_seed(3), output_type="pt").images
+    ref = pipe(
+        PROMPTS,
+        num_inference_steps=6,
+        guidance_scale=guidance_scale,
+        height=RES,
+        width=RES,
+        generator=torch.Generator().manual_seed(3),
+        output_type="pt",
+    ).images
     ours = _ours(pipe, scheduler_cls, 3, guidance_scale)
     assert ours.shape == ref.shape == (2, 3, RES, RES)
     assert (ours - ref).abs().max().item() <= 1e-5
@@ -49,8 +56,19 @@ def test_grad_only_on_chosen_step(tiny_sd):
     scheduler = family.scheduler("DDPMScheduler")
     cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
     noise = family.initial_noise(2, RES, torch.Generator().manual_seed(0), torch.float32)
-    out = denoise(family, scheduler, cond, None, noise, 10, 1.0, grad_steps={7}, stop_at=7,
-                  keep_trajectory=True, generator=torch.Generator().manual_seed(1))
+    out = denoise(
+        family,
+        scheduler,
+        cond,
+        None,
+        noise,
+        10,
+        1.0,
+        grad_steps={7},
+        stop_at=7,
+        keep_trajectory=True,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert len(out.timesteps) == 8 and len(out.all_latents) == 9
     assert not any(x.requires_grad for x in out.all_latents[:-1])  # steps 0..6 ran without autograd
     assert out.pred_original_sample.requires_grad
@@ -69,8 +87,17 @@ def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path
     cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
     noise = family.initial_noise(2, RES, torch.Generator().manual_seed(0), torch.float32)
     opt = torch.optim.AdamW(params, lr=1e-2)
-    out = denoise(family, DDIMScheduler.from_config(pipe.scheduler.config), cond, None, noise, 4, 1.0,
-                  grad_steps={3}, stop_at=3)
+    out = denoise(
+        family,
+        DDIMScheduler.from_config(pipe.scheduler.config),
+        cond,
+        None,
+        noise,
+        4,
+        1.0,
+        grad_steps={3},
+        stop_at=3,
+    )
     family.decode(out.pred_original_sample).mean().backward()
     opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(lora_before, params)), "every LoRA tensor moves"
@@ -90,7 +117,9 @@ def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path
     assert (before - after).abs().max() > 1e-4
     # the adapter's alpha travelled with the file: loaded weights equal ours (scale alpha/r = 2)
     adapter = stock.unet.active_adapters()[0]
-    loaded = {n.replace(f".{adapter}.", ".default."): p for n, p in stock.unet.named_parameters() if "lora_" in n}
+    loaded = {
+        n.replace(f".{adapter}.", ".default."): p for n, p in stock.unet.named_parameters() if "lora_" in n
+    }
     ours = {n: p for n, p in pipe.unet.named_parameters() if "lora_" in n}
     assert loaded.keys() == ours.keys()
     for n, p in ours.items():
@@ -104,11 +133,16 @@ def test_missing_model_is_one_line_error(tmp_path):
 
 
 def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "refl_ddpo.tiny", str(tmp_path)], capture_output=True, text=True,
-                       check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "refl_ddpo.tiny", str(tmp_path)], capture_output=True, text=True, check=False
+    )
     assert r.returncode == 0, r.stderr
-    for name in ["stable-diffusion/model_index.json", "ImageReward.pt", "med_config.json",
-                 "bert-base-uncased/vocab.txt"]:
+    for name in [
+        "stable-diffusion/model_index.json",
+        "ImageReward.pt",
+        "med_config.json",
+        "bert-base-uncased/vocab.txt",
+    ]:
         assert (tmp_path / name).is_file(), name
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "stable-diffusion")
     pipe.set_progress_bar_config(disable=True)
@@ -118,8 +152,10 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
 
 def test_unreachable_hub_id_is_one_line_error_exit_2(tmp_path):
     """No network here: a hub id ends in one `error:` line and exit code 2, not a traceback."""
-    code = "from refl_ddpo.errors import cli_main; from refl_ddpo.models import load_pipeline; " \
-           "cli_main(load_pipeline)('CompVis/stable-diffusion-v1-4')"
+    code = (
+        "from refl_ddpo.errors import cli_main; from refl_ddpo.models import load_pipeline; "
+        "cli_main(load_pipeline)('CompVis/stable-diffusion-v1-4')"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]

@@ -189,9 +189,17 @@ def _sample(family, negative, cfg, seed=0):
     prompts = iter(["a cat", "a dog", "a red bird", "a fish"] * 4)
     reward = build_reward("jpeg_compressibility", "cpu")
     return sample_epoch(
-        family, family.pipe.scheduler, lambda: (next(prompts), {}), reward, negative,
-        batch_size=cfg.sample_batch_size, num_batches=cfg.sample_num_batches_per_epoch, num_steps=cfg.sample_num_steps,
-        guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, resolution=cfg.resolution,
+        family,
+        family.pipe.scheduler,
+        lambda: (next(prompts), {}),
+        reward,
+        negative,
+        batch_size=cfg.sample_batch_size,
+        num_batches=cfg.sample_num_batches_per_epoch,
+        num_steps=cfg.sample_num_steps,
+        guidance_scale=cfg.sample_guidance_scale,
+        eta=cfg.sample_eta,
+        resolution=cfg.resolution,
         generator=torch.Generator().manual_seed(seed),
     )
 
@@ -221,10 +229,23 @@ def _log_probs(family, negative, samples, cfg) -> torch.Tensor:
 
 def _train(family, samples, negative, cfg, accelerator, optimizer, params, generator):
     return train_on_samples(
-        family, family.network, family.pipe.scheduler, samples, negative, accelerator, optimizer, params, generator,
-        num_steps=cfg.sample_num_steps, batch_size=cfg.train_batch_size, num_train_steps=num_train_timesteps(cfg),
-        guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, clip_range=cfg.train_clip_range,
-        kl_weight=cfg.kl_weight, max_grad_norm=cfg.max_grad_norm,
+        family,
+        family.network,
+        family.pipe.scheduler,
+        samples,
+        negative,
+        accelerator,
+        optimizer,
+        params,
+        generator,
+        num_steps=cfg.sample_num_steps,
+        batch_size=cfg.train_batch_size,
+        num_train_steps=num_train_timesteps(cfg),
+        guidance_scale=cfg.sample_guidance_scale,
+        eta=cfg.sample_eta,
+        clip_range=cfg.train_clip_range,
+        kl_weight=cfg.kl_weight,
+        max_grad_norm=cfg.max_grad_norm,
     )
 
 
@@ -240,7 +261,9 @@ def test_recomputed_log_prob_of_stored_trajectory_gives_ratio_one(tiny_sd):
     worst = 0.0
     for start in (0, 2):
         mb = {k: v[start : start + 2] for k, v in samples.items()}
-        worst = max(worst, (torch.exp(_log_probs(pipe, negative, mb, cfg) - mb["log_probs"]) - 1).abs().max().item())
+        worst = max(
+            worst, (torch.exp(_log_probs(pipe, negative, mb, cfg) - mb["log_probs"]) - 1).abs().max().item()
+        )
     assert worst <= 1e-5, worst
     # and the check can fail: without CFG in the training forward it is another policy
     off = (torch.exp(_log_probs(pipe, None, mb, cfg) - mb["log_probs"]) - 1).abs().max().item()
@@ -268,7 +291,9 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
         optimizer = accelerator.prepare_optimizer(
             torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
         )
-        steps = _train(pipe, samples, negative, cfg, accelerator, optimizer, params, torch.Generator().manual_seed(0))
+        steps = _train(
+            pipe, samples, negative, cfg, accelerator, optimizer, params, torch.Generator().manual_seed(0)
+        )
         assert len(steps) == 2 and steps[0]["approx_kl"] < 1e-10, (
             steps
         )  # 4 samples / micro-batch 2; on-policy
@@ -286,9 +311,16 @@ def test_kl_weight_adds_the_step_kl_to_the_base_model(tiny_sd):
     )  # int(3 * 0.5) = 1 step trained
     samples = stack_samples(_sample(pipe, negative, cfg), torch.zeros(4))
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
-    steps = _train(pipe, samples, negative, cfg, accelerator,
-                   accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)), params,
-                   torch.Generator().manual_seed(0))
+    steps = _train(
+        pipe,
+        samples,
+        negative,
+        cfg,
+        accelerator,
+        accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)),
+        params,
+        torch.Generator().manual_seed(0),
+    )
     # zero advantages: the loss is the KL alone, > 0 as the random LoRA moved the policy off the base model
     assert len(steps) == 2 and all(s["kl"] > 0 and abs(s["loss"] - s["kl"]) < 1e-6 for s in steps), steps
     # the adapters are on again after the reference forward: the UNet's output is not the base model's

@@ -25,8 +25,18 @@ SCRIPTS = REPO / "inference"
 PROMPTS = ["a photo of a cat", "an oil painting of a castle"]
 N_PER_PROMPT, SEED = 2, 7
 # batch 3 over 4 images: the first batch mixes both prompts, the last one is short
-FAST = ["--num_inference_steps", "4", "--device", "cpu", "--num_images_per_prompt", str(N_PER_PROMPT),
-        "--seed", str(SEED), "--batch_size", "3"]
+FAST = [
+    "--num_inference_steps",
+    "4",
+    "--device",
+    "cpu",
+    "--num_images_per_prompt",
+    str(N_PER_PROMPT),
+    "--seed",
+    str(SEED),
+    "--batch_size",
+    "3",
+]
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 
@@ -34,8 +44,15 @@ def run_script(name: str, *args, cwd: Path = REPO) -> subprocess.CompletedProces
     # One intra-op thread: the tiny models gain nothing from more, and on a shared 2-core machine two spinning OpenMP
     # threads per process made these runs 10-40x slower.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +74,9 @@ def make_lora(sd_dir: Path, out: Path, init: str, config: dict | None = None, **
     if unet_kwargs:
         from diffusers import UNet2DConditionModel
 
-        unet = UNet2DConditionModel.from_config({**UNet2DConditionModel.load_config(sd_dir / "unet"), **unet_kwargs})
+        unet = UNet2DConditionModel.from_config(
+            {**UNet2DConditionModel.load_config(sd_dir / "unet"), **unet_kwargs}
+        )
     else:
         unet = load_pipeline(str(sd_dir)).unet
     add_lora(unet, 4, 4, TARGETS, init=init)
@@ -79,15 +98,35 @@ def runs(tiny_models, prompts_file, tmp_path_factory) -> dict[str, Path]:
     recorded = {"pretrained_model": str(sd), "resolution": 32}  # what a trainer writes beside its LoRA
     loras = {init: make_lora(sd, root / f"lora_{init}", init, recorded) for init in ("gaussian", "random")}
     common = ["--prompts_file", prompts_file, "--reward_model_dir", tiny_models, *FAST]
-    out = {"base": root / "base", "base_again": root / "base_again", "zero": root / "zero", "random": root / "random",
-           **{f"lora_{k}": v for k, v in loras.items()}}
+    out = {
+        "base": root / "base",
+        "base_again": root / "base_again",
+        "zero": root / "zero",
+        "random": root / "random",
+        **{f"lora_{k}": v for k, v in loras.items()},
+    }
     procs = [
-        run_script("inference.py", "--pretrained_model", sd, "--resolution", 32, "--output_dir", out["base"], *common),
-        run_script("inference.py", "--pretrained_model", sd, "--resolution", 32, "--output_dir", out["base_again"],
-                   *common, cwd=SCRIPTS),
+        run_script(
+            "inference.py", "--pretrained_model", sd, "--resolution", 32, "--output_dir", out["base"], *common
+        ),
+        run_script(
+            "inference.py",
+            "--pretrained_model",
+            sd,
+            "--resolution",
+            32,
+            "--output_dir",
+            out["base_again"],
+            *common,
+            cwd=SCRIPTS,
+        ),
         # no --pretrained_model / --resolution: both come from the config.json beside the LoRA
-        run_script("inference_lora.py", "--lora_dir", loras["gaussian"], "--output_dir", out["zero"], *common),
-        run_script("inference_lora.py", "--lora_dir", loras["random"], "--output_dir", out["random"], *common),
+        run_script(
+            "inference_lora.py", "--lora_dir", loras["gaussian"], "--output_dir", out["zero"], *common
+        ),
+        run_script(
+            "inference_lora.py", "--lora_dir", loras["random"], "--output_dir", out["random"], *common
+        ),
     ]
     for p in procs:
         assert p.returncode == 0, p.stderr[-2000:]
@@ -166,7 +205,10 @@ def test_compare_script(runs, tmp_path):
     assert set(per_prompt) == set(PROMPTS)
     for prompt in PROMPTS:
         mine = [after[k] - before[k] for k in before if k[0] == prompt]
-        assert per_prompt[prompt]["delta"] == pytest.approx(np.mean(mine)) and per_prompt[prompt]["n"] == N_PER_PROMPT
+        assert (
+            per_prompt[prompt]["delta"] == pytest.approx(np.mean(mine))
+            and per_prompt[prompt]["n"] == N_PER_PROMPT
+        )
     with Image.open(out / "compare.png") as im:
         assert im.width > im.height / len(before)  # two columns: before | after
     # default --out: beside the second run (in-process: the script above already covered the entry point)
@@ -187,8 +229,20 @@ def test_help_from_inside_inference_dir():
 def test_lora_of_another_architecture_is_refused(tiny_models, prompts_file, tmp_path):
     sd = tiny_models / "stable-diffusion"
     wrong = make_lora(sd, tmp_path / "wrong_lora", "random", cross_attention_dim=16)  # other text width
-    p = run_script("inference_lora.py", "--lora_dir", wrong, "--pretrained_model", sd, "--resolution", 32,
-                   "--prompts_file", prompts_file, "--output_dir", tmp_path / "out", *FAST)
+    p = run_script(
+        "inference_lora.py",
+        "--lora_dir",
+        wrong,
+        "--pretrained_model",
+        sd,
+        "--resolution",
+        32,
+        "--prompts_file",
+        prompts_file,
+        "--output_dir",
+        tmp_path / "out",
+        *FAST,
+    )
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --lora_dir") and "another architecture" in lines[0]
@@ -197,9 +251,11 @@ def test_lora_of_another_architecture_is_refused(tiny_models, prompts_file, tmp_
 
 def test_lora_with_more_blocks_is_refused(tiny_sd, tmp_path):
     """diffusers only warns when LoRA keys have no layer; a UNet with an extra block must still be refused."""
-    extra = {"block_out_channels": (32, 64, 64),
-             "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-             "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")}
+    extra = {
+        "block_out_channels": (32, 64, 64),
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    }
     lora = make_lora(tiny_sd, tmp_path / "lora3", "random", **extra)
     from refl_ddpo.errors import UserError
     from refl_ddpo.lora import load_lora_into_pipeline
@@ -218,18 +274,42 @@ def no_model_loading(monkeypatch):
     monkeypatch.setattr(refl_ddpo.models, "load_pipeline", refuse)
 
 
-@pytest.mark.parametrize("case", ["missing_lora_dir", "empty_prompts", "zero_images", "missing_base",
-                                  "missing_recorded_base"])
+@pytest.mark.parametrize(
+    "case", ["missing_lora_dir", "empty_prompts", "zero_images", "missing_base", "missing_recorded_base"]
+)
 def test_bad_input_is_one_line_error(case, tiny_sd, prompts_file, tmp_path, capsys, no_model_loading):
-    base = ["--pretrained_model", str(tiny_sd), "--prompts_file", str(prompts_file), "--device", "cpu",
-            "--output_dir", str(tmp_path / "out")]
+    base = [
+        "--pretrained_model",
+        str(tiny_sd),
+        "--prompts_file",
+        str(prompts_file),
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
     script, args, expect = {
-        "missing_lora_dir": ("inference_lora.py", [*base, "--lora_dir", str(tmp_path / "nope")], "--lora_dir"),
-        "empty_prompts": ("inference.py", [*base, "--prompts_file", str(tmp_path / "empty.txt")], "no prompts"),
+        "missing_lora_dir": (
+            "inference_lora.py",
+            [*base, "--lora_dir", str(tmp_path / "nope")],
+            "--lora_dir",
+        ),
+        "empty_prompts": (
+            "inference.py",
+            [*base, "--prompts_file", str(tmp_path / "empty.txt")],
+            "no prompts",
+        ),
         "zero_images": ("inference.py", [*base, "--num_images_per_prompt", "0"], "--num_images_per_prompt"),
-        "missing_base": ("inference.py", [*base, "--pretrained_model", str(tmp_path / "no_sd")], "--pretrained_model"),
-        "missing_recorded_base": ("inference_lora.py", ["--lora_dir", str(tmp_path / "lora"), *base[2:]],
-                                  "config.json"),
+        "missing_base": (
+            "inference.py",
+            [*base, "--pretrained_model", str(tmp_path / "no_sd")],
+            "--pretrained_model",
+        ),
+        "missing_recorded_base": (
+            "inference_lora.py",
+            ["--lora_dir", str(tmp_path / "lora"), *base[2:]],
+            "config.json",
+        ),
     }[case]
     (tmp_path / "empty.txt").write_text("# only a comment\n\n")
     (tmp_path / "lora").mkdir()
@@ -250,8 +330,10 @@ def test_lora_defaults_come_from_its_config_and_flags_win(runs, tiny_sd, tmp_pat
     assert (cfg.pretrained_model, cfg.resolution, cfg.dtype) == (str(tiny_sd), 32, "fp32")
     other = tmp_path / "sd_copy"
     other.symlink_to(tiny_sd)
-    cfg = parse_config(LoraInferenceConfig, ["--lora_dir", lora, "--device", "cpu", "--pretrained_model", str(other),
-                                             "--resolution", "64"])
+    cfg = parse_config(
+        LoraInferenceConfig,
+        ["--lora_dir", lora, "--device", "cpu", "--pretrained_model", str(other), "--resolution", "64"],
+    )
     assert (cfg.pretrained_model, cfg.resolution) == (str(other), 64)
 
 
@@ -277,19 +359,39 @@ def test_generation_keeps_no_autograd_graph_and_is_batch_independent(tiny_sd):
     torch.testing.assert_close(images, alone, atol=1e-4, rtol=0)
     # stochastic DDIM (eta 1) draws its step noise from the same per-image generators
     noisy = generate_batch(family, PROMPTS, [3, 4], 32, 3, 7.5, eta=1.0)
-    noisy_alone = torch.cat([generate_batch(family, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4])])
+    noisy_alone = torch.cat(
+        [generate_batch(family, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4])]
+    )
     torch.testing.assert_close(noisy, noisy_alone, atol=1e-4, rtol=0)
     assert (noisy - images).abs().max() > 1e-2
 
 
 def _config(tiny_sd, prompts_file, out: Path, *extra: str):
-    return parse_config(generate.InferenceConfig, [
-        "--pretrained_model", str(tiny_sd), "--prompts_file", str(prompts_file), "--output_dir", str(out),
-        "--resolution", "32", "--num_inference_steps", "2", "--device", "cpu", "--num_images_per_prompt", "1",
-        *extra])
+    return parse_config(
+        generate.InferenceConfig,
+        [
+            "--pretrained_model",
+            str(tiny_sd),
+            "--prompts_file",
+            str(prompts_file),
+            "--output_dir",
+            str(out),
+            "--resolution",
+            "32",
+            "--num_inference_steps",
+            "2",
+            "--device",
+            "cpu",
+            "--num_images_per_prompt",
+            "1",
+            *extra,
+        ],
+    )
 
 
-def test_missing_imagereward_files_still_write_images_with_null_scores(tiny_sd, prompts_file, tmp_path, capsys):
+def test_missing_imagereward_files_still_write_images_with_null_scores(
+    tiny_sd, prompts_file, tmp_path, capsys
+):
     cfg = _config(tiny_sd, prompts_file, tmp_path / "out", "--reward_model_dir", str(tmp_path / "no_reward"))
     generate.run_inference(cfg)
     scores = load_scores(tmp_path / "out")
@@ -316,15 +418,24 @@ def test_failed_run_leaves_no_stale_scores(tiny_models, prompts_file, tmp_path, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(generate, "generate_batch", fail_second_batch)
-    cfg = _config(tiny_models / "stable-diffusion", prompts_file, out, "--reward_model_dir", str(tiny_models),
-                  "--batch_size", "1")
+    cfg = _config(
+        tiny_models / "stable-diffusion",
+        prompts_file,
+        out,
+        "--reward_model_dir",
+        str(tiny_models),
+        "--batch_size",
+        "1",
+    )
     with pytest.raises(RuntimeError, match="simulated"):
         generate.run_inference(cfg)
     assert not (out / "scores.json").exists() and not list(out.glob(".*.tmp"))
 
 
 def _run(pairs: list[tuple[str, int, float | None]]) -> dict:
-    return {"records": [{"prompt": p, "seed": s, "file": f"{p}-{s}.png", "imagereward": v} for p, s, v in pairs]}
+    return {
+        "records": [{"prompt": p, "seed": s, "file": f"{p}-{s}.png", "imagereward": v} for p, s, v in pairs]
+    }
 
 
 def test_compare_runs_pairs_by_prompt_and_seed():
@@ -339,7 +450,9 @@ def test_compare_runs_pairs_by_prompt_and_seed():
 
     with pytest.raises(UserError, match="different \\(prompt, seed\\) pairs"):
         compare_runs(before, _run([("a", 1, 0.0), ("a", 2, 1.0), ("b", 4, 2.0)]))
-    missing = compare_runs(before, {**_run([("a", 1, None), ("a", 2, None), ("b", 3, None)]), "score_error": "x"})
+    missing = compare_runs(
+        before, {**_run([("a", 1, None), ("a", 2, None), ("b", 3, None)]), "score_error": "x"}
+    )
     assert "mean_difference" not in missing and "x" in missing["score_error"]
 
 
@@ -349,7 +462,9 @@ def test_paired_bootstrap_interval():
     lo, hi = paired_bootstrap_ci(diffs, 4000, seed=5)
     assert (lo, hi) == paired_bootstrap_ci(diffs, 4000, seed=5)  # seeded
     assert lo < diffs.mean() < hi
-    se = diffs.std(ddof=1) / np.sqrt(len(diffs))  # the normal approximation's half-width is 1.96 standard errors
+    se = diffs.std(ddof=1) / np.sqrt(
+        len(diffs)
+    )  # the normal approximation's half-width is 1.96 standard errors
     assert hi - lo == pytest.approx(2 * 1.96 * se, rel=0.15)
     assert paired_bootstrap_ci([0.25] * 5, 100) == (0.25, 0.25)
 

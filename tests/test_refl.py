@@ -40,8 +40,16 @@ def _one_thread():
 
 
 def _cfg(tiny_models, **kw) -> ReFLConfig:
-    return ReFLConfig(pretrained_model=str(tiny_models / "stable-diffusion"), reward_model_dir=str(tiny_models),
-                      resolution=RES, num_inference_steps=T, k_lo=K_LO, k_hi=K_HI, device="cpu", **kw)
+    return ReFLConfig(
+        pretrained_model=str(tiny_models / "stable-diffusion"),
+        reward_model_dir=str(tiny_models),
+        resolution=RES,
+        num_inference_steps=T,
+        k_lo=K_LO,
+        k_hi=K_HI,
+        device="cpu",
+        **kw,
+    )
 
 
 def _refl_inputs(tiny_models, lora_init: str):
@@ -67,8 +75,21 @@ def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(ti
     before = {n: p.detach().clone() for n, p in frozen.items()}
     lora_before = [p.detach().clone() for p in params]
 
-    out = refl_step(family, scheduler, reward, cond, None, PROMPTS, [{}, {}], noise, 6,
-                    num_inference_steps=T, margin=2.0, grad_scale=1.0, generator=torch.Generator().manual_seed(1))
+    out = refl_step(
+        family,
+        scheduler,
+        reward,
+        cond,
+        None,
+        PROMPTS,
+        [{}, {}],
+        noise,
+        6,
+        num_inference_steps=T,
+        margin=2.0,
+        grad_scale=1.0,
+        generator=torch.Generator().manual_seed(1),
+    )
     assert out.images.shape == (2, 3, RES, RES) and out.rewards.shape == (2,)
     assert out.rewards.requires_grad and out.images.requires_grad
     torch.testing.assert_close(out.loss, torch.relu(2.0 - out.rewards).mean())
@@ -88,8 +109,20 @@ def test_kl_term_is_the_noise_prediction_mse_to_the_base_model(tiny_models):
     pipe = family.pipe
     reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
     k = 5
-    out = refl_step(family, scheduler, reward, cond, None, PROMPTS, [{}, {}], noise, k,
-                    num_inference_steps=T, generator=torch.Generator().manual_seed(1), keep_trajectory=True)
+    out = refl_step(
+        family,
+        scheduler,
+        reward,
+        cond,
+        None,
+        PROMPTS,
+        [{}, {}],
+        noise,
+        k,
+        num_inference_steps=T,
+        generator=torch.Generator().manual_seed(1),
+        keep_trajectory=True,
+    )
     kl = kl_to_base(family, scheduler, out.denoised, k, cond, None, 1.0)
     assert all(p.requires_grad for p in params), "enable_adapters must make the LoRA trainable again"
     x_t, t = out.denoised.all_latents[k], out.denoised.timesteps[k]
@@ -125,15 +158,44 @@ def _env(**extra) -> dict:
 
 
 def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", os.path.relpath(SCRIPT, cwd), *args], check=False, cwd=cwd, env=_env(**env),
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        ["bash", os.path.relpath(SCRIPT, cwd), *args],
+        check=False,
+        cwd=cwd,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
-    return ["--pretrained_model", str(tiny_models / "stable-diffusion"), "--reward_model_dir", str(tiny_models),
-            "--output_dir", str(out), "--resolution", str(RES), "--num_inference_steps", str(T),
-            "--k_lo", str(K_LO), "--k_hi", str(K_HI), "--device", "cpu", "--train_batch_size", "2",
-            "--learning_rate", "3e-2", "--max_train_steps", str(steps), "--image_log_steps", "10"]
+    return [
+        "--pretrained_model",
+        str(tiny_models / "stable-diffusion"),
+        "--reward_model_dir",
+        str(tiny_models),
+        "--output_dir",
+        str(out),
+        "--resolution",
+        str(RES),
+        "--num_inference_steps",
+        str(T),
+        "--k_lo",
+        str(K_LO),
+        "--k_hi",
+        str(K_HI),
+        "--device",
+        "cpu",
+        "--train_batch_size",
+        "2",
+        "--learning_rate",
+        "3e-2",
+        "--max_train_steps",
+        str(steps),
+        "--image_log_steps",
+        "10",
+    ]
 
 
 E2E_STEPS, RESUME_AT = 30, 15
@@ -166,8 +228,15 @@ def _held_out_reward(pipe, reward) -> float:
 def test_script_trains_lora_that_raises_held_out_reward_and_loads_in_stock_pipeline(trained, tiny_models):
     assert (trained / LORA_WEIGHTS_NAME).is_file()
     saved = json.loads((trained / CONFIG_NAME).read_text())
-    assert saved["learning_rate"] == 3e-2 and saved["grad_scale"] == 0.01 and saved["max_train_steps"] == E2E_STEPS
-    assert {p.name for p in trained.glob("checkpoint-*")} == {f"checkpoint-{RESUME_AT}", f"checkpoint-{E2E_STEPS}"}
+    assert (
+        saved["learning_rate"] == 3e-2
+        and saved["grad_scale"] == 0.01
+        and saved["max_train_steps"] == E2E_STEPS
+    )
+    assert {p.name for p in trained.glob("checkpoint-*")} == {
+        f"checkpoint-{RESUME_AT}",
+        f"checkpoint-{E2E_STEPS}",
+    }
     assert list((trained / "logs").rglob("events.out.tfevents.*")), "tensorboard scalars and image grids"
 
     reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
@@ -184,8 +253,10 @@ def test_resume_gives_bit_identical_lora(trained, tiny_models, tmp_path):
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(trained / f"checkpoint-{RESUME_AT}", out / f"checkpoint-{RESUME_AT}")
-    r = _script(_train_flags(tiny_models, out, E2E_STEPS) + ["--checkpointing_steps", str(RESUME_AT),
-                                                             "--resume_from_checkpoint", "latest"])
+    r = _script(
+        _train_flags(tiny_models, out, E2E_STEPS)
+        + ["--checkpointing_steps", str(RESUME_AT), "--resume_from_checkpoint", "latest"]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {out / f'checkpoint-{RESUME_AT}'} at step {RESUME_AT}" in r.stdout
     resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(trained / LORA_WEIGHTS_NAME)
@@ -210,16 +281,39 @@ def test_two_processes_hold_identical_lora_after_every_step(tiny_models, tmp_pat
     (data / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     out, steps = tmp_path / "ddp", 3
     flags = _train_flags(tiny_models, out, steps) + [
-        "--gradient_accumulation_steps", "2", "--debug_lora_checksums", "--kl_weight", "1.0",
-        "--pretrain_loss_weight", "0.5", "--pretrain_data_dir", str(data), "--lora_init", "random",
-        "--gradient_checkpointing", "--vae_gradient_checkpointing", "--reward_gradient_checkpointing",
-        "--checkpointing_steps", str(steps), "--report_to", "none"]
+        "--gradient_accumulation_steps",
+        "2",
+        "--debug_lora_checksums",
+        "--kl_weight",
+        "1.0",
+        "--pretrain_loss_weight",
+        "0.5",
+        "--pretrain_data_dir",
+        str(data),
+        "--lora_init",
+        "random",
+        "--gradient_checkpointing",
+        "--vae_gradient_checkpointing",
+        "--reward_gradient_checkpointing",
+        "--checkpointing_steps",
+        str(steps),
+        "--report_to",
+        "none",
+    ]
     r = _script(flags, NUM_PROCESSES="2")
     assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [[json.loads(line) for line in (out / "debug" / f"lora_checksums_rank{i}.jsonl").read_text().split("\n")
-              if line] for i in (0, 1)]
+    ranks = [
+        [
+            json.loads(line)
+            for line in (out / "debug" / f"lora_checksums_rank{i}.jsonl").read_text().split("\n")
+            if line
+        ]
+        for i in (0, 1)
+    ]
     assert [x["step"] for x in ranks[0]] == [x["step"] for x in ranks[1]] == list(range(1, steps + 1))
-    assert [x["sha256"] for x in ranks[0]] == [x["sha256"] for x in ranks[1]], "ranks diverged: gradients not synced"
+    assert [x["sha256"] for x in ranks[0]] == [x["sha256"] for x in ranks[1]], (
+        "ranks diverged: gradients not synced"
+    )
     assert len({x["sha256"] for x in ranks[0]}) == steps, "the weights change every step"
     # the ranks saw different prompts and noise, so only the all-reduce can have kept them equal
     assert [x["refl_loss"] for x in ranks[0]] != [x["refl_loss"] for x in ranks[1]]
@@ -230,11 +324,28 @@ def test_two_processes_hold_identical_lora_after_every_step(tiny_models, tmp_pat
 
 def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
     def run(out: Path, *extra: str) -> None:
-        args = _train_flags(tiny_models, out, 2) + ["--no-use_lora", "--use_ema", "--ema_decay", "0.5",
-                                                    "--learning_rate", "1e-3", "--checkpointing_steps", "1",
-                                                    "--report_to", "none", *extra]
-        r = subprocess.run([sys.executable, "-m", "refl_ddpo.trainers.refl", *args], check=False, cwd=REPO,
-                           env=_env(), capture_output=True, text=True, timeout=240)
+        args = _train_flags(tiny_models, out, 2) + [
+            "--no-use_lora",
+            "--use_ema",
+            "--ema_decay",
+            "0.5",
+            "--learning_rate",
+            "1e-3",
+            "--checkpointing_steps",
+            "1",
+            "--report_to",
+            "none",
+            *extra,
+        ]
+        r = subprocess.run(
+            [sys.executable, "-m", "refl_ddpo.trainers.refl", *args],
+            check=False,
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
 
     run(tmp_path / "a")
@@ -267,13 +378,31 @@ def _bad_inputs(tiny_models, tmp_path):
     }
 
 
-@pytest.mark.parametrize("field", ["pretrained_model", "reward_model_dir", "prompts_file", "k_lo", "k_hi", "reward",
-                                   "output_dir"])
+@pytest.mark.parametrize(
+    "field", ["pretrained_model", "reward_model_dir", "prompts_file", "k_lo", "k_hi", "reward", "output_dir"]
+)
 def test_bad_input_is_one_line_error_naming_the_field(field, tiny_models, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--pretrained_model", str(tiny_models / "stable-diffusion"), "--reward_model_dir", str(tiny_models),
-            "--output_dir", str(out), "--resolution", str(RES), "--num_inference_steps", str(T),
-            "--k_lo", str(K_LO), "--k_hi", str(K_HI), "--device", "cpu", "--max_train_steps", "1"]
+    args = [
+        "--pretrained_model",
+        str(tiny_models / "stable-diffusion"),
+        "--reward_model_dir",
+        str(tiny_models),
+        "--output_dir",
+        str(out),
+        "--resolution",
+        str(RES),
+        "--num_inference_steps",
+        str(T),
+        "--k_lo",
+        str(K_LO),
+        "--k_hi",
+        str(K_HI),
+        "--device",
+        "cpu",
+        "--max_train_steps",
+        "1",
+    ]
     with pytest.raises(SystemExit) as exc:
         refl.main(args + _bad_inputs(tiny_models, tmp_path)[field])
     assert exc.value.code != 0
@@ -284,7 +413,9 @@ def test_bad_input_is_one_line_error_naming_the_field(field, tiny_models, tmp_pa
 
 def test_script_reports_bad_input_in_one_line(tiny_models, tmp_path):
     out = tmp_path / "out"
-    r = _script(_train_flags(tiny_models, out, 1) + ["--k_hi", str(T)], cwd=SCRIPT.parent)  # from train_scripts/
+    r = _script(
+        _train_flags(tiny_models, out, 1) + ["--k_hi", str(T)], cwd=SCRIPT.parent
+    )  # from train_scripts/
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode != 0 and len(errors) == 1 and "--k_hi" in errors[0], r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
@@ -296,8 +427,14 @@ def test_script_reports_bad_input_in_one_line(tiny_models, tmp_path):
 def test_script_trains_with_the_config_files_values_over_its_own_defaults(tiny_models, tmp_path):
     """train_refl_lora.sh's recipe (lr 1e-4, grad_scale 0.01) is a layer below --config: the file's lr is used."""
     (tmp_path / "f.yaml").write_text("learning_rate: 0.02\nmax_train_steps: 1\n")
-    flags = [f for f in _train_flags(tiny_models, tmp_path / "out", 1) if f not in ("--learning_rate", "3e-2")]
-    flags = [f for i, f in enumerate(flags) if not (f == "--max_train_steps" or flags[i - 1] == "--max_train_steps")]
+    flags = [
+        f for f in _train_flags(tiny_models, tmp_path / "out", 1) if f not in ("--learning_rate", "3e-2")
+    ]
+    flags = [
+        f
+        for i, f in enumerate(flags)
+        if not (f == "--max_train_steps" or flags[i - 1] == "--max_train_steps")
+    ]
     r = _script([*flags, "--config", str(tmp_path / "f.yaml")])
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads((tmp_path / "out" / CONFIG_NAME).read_text())

@@ -47,9 +47,27 @@ def base_accuracy() -> float:
 def _train(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
     env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    return subprocess.run(["bash", f"train_scripts/{script}", "--preset", "toy_world", "--output_dir", str(out),
-                           "--device", "cpu", "--report_to", "none", *flags], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run(
+        [
+            "bash",
+            f"train_scripts/{script}",
+            "--preset",
+            "toy_world",
+            "--output_dir",
+            str(out),
+            "--device",
+            "cpu",
+            "--report_to",
+            "none",
+            *flags,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 def _check_only_the_lora_changed(out: Path) -> None:

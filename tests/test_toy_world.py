@@ -19,8 +19,14 @@ def _rendered(n=72, seed=0):
 
 
 def test_palette_and_grammar():
-    assert tw.COLOURS == {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 70, 230),
-                          "yellow": (235, 215, 40), "magenta": (215, 40, 215), "cyan": (40, 205, 215)}
+    assert tw.COLOURS == {
+        "red": (220, 30, 30),
+        "green": (30, 170, 50),
+        "blue": (40, 70, 230),
+        "yellow": (235, 215, 40),
+        "magenta": (215, 40, 215),
+        "cyan": (40, 205, 215),
+    }
     assert tw.SHAPES == ("circle", "square", "triangle")
     assert len(set(tw.PROMPTS)) == 18 and "a cyan triangle" in tw.PROMPTS
     assert len(tw.TRAIN_PROMPTS) == 12 and len(tw.HELDOUT_PROMPTS) == 6
@@ -82,7 +88,9 @@ def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
     from refl_ddpo import tiny
 
     sd = tiny.write_toy_world(tmp_path / "ok")
-    assert sd == tmp_path / "ok" / "toy-sd" and (sd / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    assert (
+        sd == tmp_path / "ok" / "toy-sd" and (sd / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    )
     assert (tmp_path / "ok" / "toy_classifier.safetensors").is_file()
     bad = tmp_path / "bad_src"
     shutil.copytree(tw.DATA_DIR, bad)
@@ -168,8 +176,16 @@ def test_base_model_is_deliberately_imperfect():
     pipe.set_progress_bar_config(disable=True)
     prompts = list(tw.PROMPTS) * 2
     gens = [torch.Generator().manual_seed(seed) for seed in (1000, 1001) for _ in tw.PROMPTS]
-    images = pipe(prompts, height=32, width=32, num_inference_steps=50, guidance_scale=7.5, eta=0.0,
-                  generator=gens, output_type="pt").images
+    images = pipe(
+        prompts,
+        height=32,
+        width=32,
+        num_inference_steps=50,
+        guidance_scale=7.5,
+        eta=0.0,
+        generator=gens,
+        output_type="pt",
+    ).images
     assert images.shape == (36, 3, 32, 32)
     res = tw.judge(images, prompts)
     assert 0.2 <= res["accuracy"] <= 0.7, res["accuracy"]

@@ -18,8 +18,10 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
 
     if pipeline_class not in FAMILIES:
         known = ", ".join(FAMILIES)
-        raise UserError(f"model_index.json names {pipeline_class or 'no pipeline class'}; this kit trains {known} "
-                        "folders.")
+        raise UserError(
+            f"model_index.json names {pipeline_class or 'no pipeline class'}; this kit trains {known} "
+            "folders."
+        )
     module, name = FAMILIES[pipeline_class]
     return getattr(importlib.import_module(module), name)
 

@@ -71,8 +71,16 @@ class ModelFamily(ABC):
         """Gaussian latents x_T as the stock pipeline draws them (before `init_noise_sigma`)."""
 
     @abstractmethod
-    def predict(self, latents: torch.Tensor, timesteps: torch.Tensor, scheduler, cond: Cond, uncond: Cond | None,
-                guidance_scale: float, network=None) -> torch.Tensor:
+    def predict(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        scheduler,
+        cond: Cond,
+        uncond: Cond | None,
+        guidance_scale: float,
+        network=None,
+    ) -> torch.Tensor:
         """The network's output (noise, velocity ...) at (latents, timesteps), with CFG batched as the pipeline."""
 
     @abstractmethod
@@ -80,8 +88,9 @@ class ModelFamily(ABC):
         """The scheduler's own step: (next latents, predicted x0 or None)."""
 
     @abstractmethod
-    def step_with_logprob(self, scheduler, model_output, timestep, latents, eta: float, generator=None,
-                          prev_sample=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_with_logprob(
+        self, scheduler, model_output, timestep, latents, eta: float, generator=None, prev_sample=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stochastic step of the policy-gradient trainers: (next latents, log-prob (B,), predicted x0)."""
 
     @abstractmethod

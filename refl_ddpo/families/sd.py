@@ -34,8 +34,16 @@ class StableDiffusion(ModelFamily):
         shape = (batch_size, self.network.config.in_channels, resolution // f, resolution // f)
         return randn_tensor(shape, generator=generator, device=self.pipe.device, dtype=dtype)
 
-    def predict(self, latents, timesteps, scheduler, cond: Cond, uncond: Cond | None, guidance_scale: float,
-                network=None) -> torch.Tensor:
+    def predict(
+        self,
+        latents,
+        timesteps,
+        scheduler,
+        cond: Cond,
+        uncond: Cond | None,
+        guidance_scale: float,
+        network=None,
+    ) -> torch.Tensor:
         """Noise prediction (B, C, h, w); CFG in one call on the doubled batch [uncond, text] (as the pipeline)
         when guidance_scale > 1 and `uncond` is given. `timesteps` is a scalar or one per sample (B,)."""
         unet = network if network is not None else self.network
@@ -43,9 +51,12 @@ class StableDiffusion(ModelFamily):
         if guidance_scale > 1.0 and uncond is not None:
             if timesteps.ndim == 1:
                 timesteps = torch.cat([timesteps, timesteps])
-            eps = unet(torch.cat([latents, latents]), timesteps,
-                       encoder_hidden_states=torch.cat([uncond["prompt_embeds"], cond["prompt_embeds"]]),
-                       return_dict=False)[0]
+            eps = unet(
+                torch.cat([latents, latents]),
+                timesteps,
+                encoder_hidden_states=torch.cat([uncond["prompt_embeds"], cond["prompt_embeds"]]),
+                return_dict=False,
+            )[0]
             eps_uncond, eps_text = eps.chunk(2)
             return eps_uncond + guidance_scale * (eps_text - eps_uncond)
         return unet(latents, timesteps, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
@@ -55,10 +66,12 @@ class StableDiffusion(ModelFamily):
         # PNDM / DPM-Solver steps give no x0: None then (inference needs only the latents)
         return out.prev_sample, getattr(out, "pred_original_sample", None)
 
-    def step_with_logprob(self, scheduler, model_output, timestep, latents, eta: float, generator=None,
-                          prev_sample=None):
-        return ddim_step_with_logprob_and_x0(scheduler, model_output, timestep, latents, eta=eta,
-                                             generator=generator, prev_sample=prev_sample)
+    def step_with_logprob(
+        self, scheduler, model_output, timestep, latents, eta: float, generator=None, prev_sample=None
+    ):
+        return ddim_step_with_logprob_and_x0(
+            scheduler, model_output, timestep, latents, eta=eta, generator=generator, prev_sample=prev_sample
+        )
 
     def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
         return ddim_step_kl(scheduler, model_output, ref_model_output, timesteps, eta)

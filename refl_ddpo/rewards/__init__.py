@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     import torch
 
 RewardFn = Callable[["torch.Tensor", list[str], list[dict]], tuple["torch.Tensor", dict]]
-RewardFactory = Callable[..., RewardFn]  # (device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn
+RewardFactory = Callable[
+    ..., RewardFn
+]  # (device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn
 
 # name -> (module, factory function, differentiable)
 REWARDS: dict[str, tuple[str, str, bool]] = {
@@ -58,12 +60,16 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, weight = part.partition(":")
         if name not in REWARDS:
-            raise UserError(f"--reward: unknown reward '{name}'; choose from {', '.join(available())} "
-                            "(weighted sums as name:weight,name:weight).")
+            raise UserError(
+                f"--reward: unknown reward '{name}'; choose from {', '.join(available())} "
+                "(weighted sums as name:weight,name:weight)."
+            )
         try:
             out.append((name, float(weight) if weight else 1.0))
         except ValueError:
-            raise UserError(f"--reward: weight '{weight}' of '{name}' is not a number (write name:0.5).") from None
+            raise UserError(
+                f"--reward: weight '{weight}' of '{name}' is not a number (write name:0.5)."
+            ) from None
     if not out:
         raise UserError("--reward is empty: name a reward, e.g. --reward jpeg_compressibility.")
     return out
@@ -78,8 +84,9 @@ def factory(name: str) -> RewardFactory:
     return getattr(importlib.import_module(module), fn)
 
 
-def build_reward(spec: str, device, dtype=None, model_dir: str = "checkpoint",
-                 options: dict[str, dict] | None = None) -> Reward:
+def build_reward(
+    spec: str, device, dtype=None, model_dir: str = "checkpoint", options: dict[str, dict] | None = None
+) -> Reward:
     """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5').
 
     `options` maps a reward name to extra keyword arguments of its factory, e.g. {"imagereward": {"antialias":
@@ -88,8 +95,10 @@ def build_reward(spec: str, device, dtype=None, model_dir: str = "checkpoint",
 
     parts = parse_reward_spec(spec)
     device, dtype, options = torch.device(device), dtype or torch.float32, options or {}
-    built = [(name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
-             for name, w in parts]
+    built = [
+        (name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
+        for name, w in parts
+    ]
     differentiable = is_differentiable(spec)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]
@@ -107,14 +116,19 @@ def build_reward(spec: str, device, dtype=None, model_dir: str = "checkpoint",
     return Reward(spec, weighted, differentiable)
 
 
-def reward_stats(spec: str, rewards: torch.Tensor, parts: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+def reward_stats(
+    spec: str, rewards: torch.Tensor, parts: dict[str, torch.Tensor] | None = None
+) -> dict[str, float]:
     """`reward/<name>/mean|std` of rewards (N,) (population std); for a weighted sum, `reward/total/...` and one pair
     per part (`parts`: name -> that part's rewards (N,), as the weighted reward's info carries them)."""
     named = parse_reward_spec(spec)
     if len(named) == 1 and named[0][1] == 1.0:
         series = {named[0][0]: rewards}
     else:
-        series = {"total": rewards, **{name: (parts or {})[name] for name, _ in named if name in (parts or {})}}
+        series = {
+            "total": rewards,
+            **{name: (parts or {})[name] for name, _ in named if name in (parts or {})},
+        }
     out = {}
     for name, values in series.items():
         values = values.detach().double().cpu()

@@ -419,8 +419,13 @@ def load(
 # ---- the reward ----
 
 
-def imagereward(device: torch.device, dtype: torch.dtype, model_dir: str, antialias: bool = True,
-                gradient_checkpointing: bool = False) -> RewardFn:
+def imagereward(
+    device: torch.device,
+    dtype: torch.dtype,
+    model_dir: str,
+    antialias: bool = True,
+    gradient_checkpointing: bool = False,
+) -> RewardFn:
     """ImageReward of each image for its prompt; keeps the graph back to `images` (ReFL backpropagates it).
 
     `antialias` is `preprocess`'s (False reproduces ImageReward's 2023 ReFL resize); `gradient_checkpointing`

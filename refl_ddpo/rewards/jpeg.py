@@ -12,7 +12,9 @@ from PIL import Image
 
 def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     """(B,) JPEG sizes in kB of images (B, 3, H, W) in [0, 1]."""
-    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    arr = (
+        (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    )
     sizes = []
     for img in arr:
         buf = io.BytesIO()

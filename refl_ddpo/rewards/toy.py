@@ -33,16 +33,22 @@ def toy_color_match(device: torch.device, dtype: torch.dtype, model_dir: str, **
 TEMPERATURE = 8.0
 
 
-def toy_classifier(device: torch.device, dtype: torch.dtype, model_dir: str, temperature: float = TEMPERATURE,
-                   **options):
+def toy_classifier(
+    device: torch.device, dtype: torch.dtype, model_dir: str, temperature: float = TEMPERATURE, **options
+):
     model = toy_world.load_classifier(model_dir, device=device, dtype=dtype)
 
     def reward_fn(images, prompts, metadata):
         colour_idx, shape_idx = (t.to(device) for t in toy_world.prompt_indices(list(prompts)))
         x = images.to(device=device, dtype=dtype)
         if x.shape[-2:] != (toy_world.SIZE, toy_world.SIZE):
-            x = F.interpolate(x, size=(toy_world.SIZE, toy_world.SIZE), mode="bilinear", align_corners=False,
-                              antialias=x.shape[-1] > toy_world.SIZE)
+            x = F.interpolate(
+                x,
+                size=(toy_world.SIZE, toy_world.SIZE),
+                mode="bilinear",
+                align_corners=False,
+                antialias=x.shape[-1] > toy_world.SIZE,
+            )
         logits_c, logits_s = model(x)
         p_colour = (logits_c.float() / temperature).softmax(-1).gather(1, colour_idx[:, None])[:, 0]
         p_shape = (logits_s.float() / temperature).softmax(-1).gather(1, shape_idx[:, None])[:, 0]

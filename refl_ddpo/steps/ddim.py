@@ -27,8 +27,9 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device)
 
 
-def step_alphas(scheduler, timestep: int | torch.Tensor,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_alphas(
+    scheduler, timestep: int | torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a_t, a_prev, s^2) of the DDIM step from `timestep` ([] or [B]) on the CPU, in `dtype`; see the module doc."""
     if scheduler.num_inference_steps is None:
         raise ValueError("call scheduler.set_timesteps(...) before stepping")
@@ -36,8 +37,11 @@ def step_alphas(scheduler, timestep: int | torch.Tensor,
     prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
     alphas_cumprod = scheduler.alphas_cumprod.cpu().to(dtype)
     a_t = alphas_cumprod[timestep]
-    a_prev = torch.where(prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)],
-                         torch.tensor(float(scheduler.final_alpha_cumprod), dtype=dtype))
+    a_prev = torch.where(
+        prev_timestep >= 0,
+        alphas_cumprod[prev_timestep.clamp(min=0)],
+        torch.tensor(float(scheduler.final_alpha_cumprod), dtype=dtype),
+    )
     return a_t, a_prev, (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
 
 
@@ -52,8 +56,10 @@ def ddim_step_with_logprob_and_x0(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ddim_step_with_logprob` that also returns the predicted x0 (the shared loop uses it)."""
     if scheduler.config.prediction_type != "epsilon":
-        raise ValueError(f"ddim_step_with_logprob supports prediction_type='epsilon', not "
-                         f"'{scheduler.config.prediction_type}'")
+        raise ValueError(
+            f"ddim_step_with_logprob supports prediction_type='epsilon', not "
+            f"'{scheduler.config.prediction_type}'"
+        )
     alpha_prod_t, alpha_prod_t_prev, variance = step_alphas(scheduler, timestep)  # float32, as the reference
     std_dev_t = _per_sample(eta * variance**0.5, sample)  # float32, as the reference
     alpha_prod_t = _per_sample(alpha_prod_t, sample)
@@ -67,8 +73,9 @@ def ddim_step_with_logprob_and_x0(
     prev_sample_mean = alpha_prod_t_prev**0.5 * pred_original_sample + direction
 
     if prev_sample is None:
-        noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device,
-                             dtype=model_output.dtype)
+        noise = randn_tensor(
+            model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype
+        )
         prev_sample = prev_sample_mean + std_dev_t * noise
 
     # Gaussian log-density of the (detached) next sample; gradient flows through the mean (and std).
@@ -95,13 +102,15 @@ def ddim_step_with_logprob(
     `timestep` is a scalar or one per sample; `prev_sample`, if given, is scored instead of sampled.
     Returns (prev_sample [B, ...], log_prob [B]) with log_prob averaged over the non-batch dims.
     """
-    prev, log_prob, _ = ddim_step_with_logprob_and_x0(scheduler, model_output, timestep, sample, eta, generator,
-                                                       prev_sample)
+    prev, log_prob, _ = ddim_step_with_logprob_and_x0(
+        scheduler, model_output, timestep, sample, eta, generator, prev_sample
+    )
     return prev, log_prob
 
 
-def ddim_step_kl(scheduler, model_output: torch.Tensor, ref_model_output: torch.Tensor, timesteps: torch.Tensor,
-                 eta: float) -> torch.Tensor:
+def ddim_step_kl(
+    scheduler, model_output: torch.Tensor, ref_model_output: torch.Tensor, timesteps: torch.Tensor, eta: float
+) -> torch.Tensor:
     """KL(policy step || reference step) per sample (B,), averaged over the non-batch dims like the log-probs.
 
     Both DDIM steps (no sample clipping) are Gaussians with the same std = eta * s_t around means that are affine in
@@ -110,7 +119,9 @@ def ddim_step_kl(scheduler, model_output: torch.Tensor, ref_model_output: torch.
     and the KL per dimension is k_t^2 (eps - eps_ref)^2 / (2 std^2).
     """
     if scheduler.config.clip_sample:
-        raise ValueError("ddim_step_kl assumes clip_sample=False (the means are then affine in the noise prediction)")
+        raise ValueError(
+            "ddim_step_kl assumes clip_sample=False (the means are then affine in the noise prediction)"
+        )
     t = torch.as_tensor(timesteps, device="cpu", dtype=torch.long).reshape(-1)
     a_t, a_prev, s2 = step_alphas(scheduler, t, torch.float64)
     var = eta**2 * s2

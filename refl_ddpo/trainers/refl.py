@@ -47,8 +47,12 @@ def build_refl_reward(cfg: ReFLConfig, device: torch.device, dtype: torch.dtype)
     """The reward, with --reward_antialias and --reward_gradient_checkpointing passed to ImageReward's factory."""
     from refl_ddpo.rewards import build_reward
 
-    options = {"imagereward": {"antialias": cfg.reward_antialias,
-                               "gradient_checkpointing": cfg.reward_gradient_checkpointing}}
+    options = {
+        "imagereward": {
+            "antialias": cfg.reward_antialias,
+            "gradient_checkpointing": cfg.reward_gradient_checkpointing,
+        }
+    }
     return build_reward(cfg.reward, device, dtype, cfg.reward_model_dir, options=options)
 
 
@@ -65,27 +69,61 @@ class ReFLStepOutput:
     denoised: DenoiseOutput  # the rollout up to step k (all_latents only with keep_trajectory)
 
 
-def refl_step(family: ModelFamily, scheduler, reward, cond: Cond, uncond: Cond | None, prompts: list[str],
-              metadata: list[dict], noise: torch.Tensor, k: int, *, num_inference_steps: int,
-              guidance_scale: float = 1.0, margin: float = 2.0, grad_scale: float = 1e-3, eta: float = 0.0,
-              generator: torch.Generator | None = None, keep_trajectory: bool = False,
-              network=None) -> ReFLStepOutput:
+def refl_step(
+    family: ModelFamily,
+    scheduler,
+    reward,
+    cond: Cond,
+    uncond: Cond | None,
+    prompts: list[str],
+    metadata: list[dict],
+    noise: torch.Tensor,
+    k: int,
+    *,
+    num_inference_steps: int,
+    guidance_scale: float = 1.0,
+    margin: float = 2.0,
+    grad_scale: float = 1e-3,
+    eta: float = 0.0,
+    generator: torch.Generator | None = None,
+    keep_trajectory: bool = False,
+    network=None,
+) -> ReFLStepOutput:
     """ImageReward's ReFL loss for one micro-batch: steps 0..k-1 without grad, step k with grad, decode the
     predicted x0, score it. Call under grad mode; `backward()` on `.loss` reaches the trainable network weights.
 
     `noise` (B, C, h, w) is x_T before `init_noise_sigma`; `generator` drives the DDPM steps' noise (and DDIM's when
     eta > 0); CFG runs at every step when guidance_scale > 1 and `uncond` is given.
     """
-    denoised = denoise(family, scheduler, cond, uncond, noise, num_inference_steps, guidance_scale, eta=eta,
-                       generator=generator, grad_steps={k}, stop_at=k, keep_trajectory=keep_trajectory,
-                       network=network)
+    denoised = denoise(
+        family,
+        scheduler,
+        cond,
+        uncond,
+        noise,
+        num_inference_steps,
+        guidance_scale,
+        eta=eta,
+        generator=generator,
+        grad_steps={k},
+        stop_at=k,
+        keep_trajectory=keep_trajectory,
+        network=network,
+    )
     images = family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
     rewards, _ = reward(images, prompts, metadata)  # [B]
     return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised)
 
 
-def kl_to_base(family: ModelFamily, scheduler, denoised: DenoiseOutput, k: int, cond: Cond, uncond: Cond | None,
-               guidance_scale: float) -> torch.Tensor:
+def kl_to_base(
+    family: ModelFamily,
+    scheduler,
+    denoised: DenoiseOutput,
+    k: int,
+    cond: Cond,
+    uncond: Cond | None,
+    guidance_scale: float,
+) -> torch.Tensor:
     """The KL regulariser at the grad step: mean((eps_lora - eps_base)^2) over batch and latent elements on SD
     (`algorithms.reward_backprop.x0_kl`), the base being the family's network with the LoRA adapter switched off,
     under no grad, with the same x_t, t, prompts and CFG. `denoised` must come from `refl_step(...,
@@ -100,8 +138,14 @@ def kl_to_base(family: ModelFamily, scheduler, denoised: DenoiseOutput, k: int, 
     return x0_kl(denoised.pred_original_sample, x0_base, family.x0_kl_weight(scheduler, t))
 
 
-def pretrain_loss(family: ModelFamily, network, noise_scheduler, images: torch.Tensor, captions: list[str],
-                  generator: torch.Generator) -> torch.Tensor:
+def pretrain_loss(
+    family: ModelFamily,
+    network,
+    noise_scheduler,
+    images: torch.Tensor,
+    captions: list[str],
+    generator: torch.Generator,
+) -> torch.Tensor:
     """The standard text-to-image denoising loss on real image-caption pairs (diffusers' train_text_to_image):
     latents = VAE.encode(2 x - 1) * scaling_factor, t ~ U{0..T_train-1}, x_t = add_noise(latents, eps, t),
     MSE(net(x_t, t, caption), target) with target eps (epsilon models) or v (v-prediction models)."""
@@ -113,8 +157,9 @@ def pretrain_loss(family: ModelFamily, network, noise_scheduler, images: torch.T
         latents = vae.encode(pixels).latent_dist.sample(generator) * vae.config.scaling_factor  # [B, C, h, w]
         cond, _ = family.encode_prompts(captions, with_negative=False)
     noise = randn_tensor(latents.shape, generator=generator, device=device, dtype=latents.dtype)
-    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (len(latents),),
-                              generator=generator).to(device)  # [B]
+    timesteps = torch.randint(
+        0, noise_scheduler.config.num_train_timesteps, (len(latents),), generator=generator
+    ).to(device)  # [B]
     noisy = noise_scheduler.add_noise(latents, noise, timesteps)
     if noise_scheduler.config.prediction_type == "v_prediction":
         target = noise_scheduler.get_velocity(latents, noise, timesteps)
@@ -146,13 +191,17 @@ def preflight(cfg: ReFLConfig):
     check_reward_files(cfg)
     prompts = resolve_prompts(cfg.prompts_file)
     pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun for every process
+    world_size = int(
+        os.environ.get("WORLD_SIZE", "1")
+    )  # set by accelerate launch / torchrun for every process
     cfg = resolve_gradient_accumulation(cfg, world_size)
     resume_path = resolve_resume(cfg)
     if resume_path is not None and _checkpoint_world_size(resume_path) != world_size:
-        raise UserError(f"--resume_from_checkpoint {resume_path} was written by {_checkpoint_world_size(resume_path)}"
-                        f" process(es); resume it with NUM_PROCESSES={_checkpoint_world_size(resume_path)} "
-                        "(each process continues its own random stream).")
+        raise UserError(
+            f"--resume_from_checkpoint {resume_path} was written by {_checkpoint_world_size(resume_path)}"
+            f" process(es); resume it with NUM_PROCESSES={_checkpoint_world_size(resume_path)} "
+            "(each process continues its own random stream)."
+        )
     check_output_dir(cfg.output_dir)
     return cfg, prompts, pretrain_data, resume_path, world_size
 
@@ -179,8 +228,10 @@ def train(cfg: ReFLConfig) -> None:
     cfg, prompts, pretrain_data, resume_path, world_size = preflight(cfg)
     accelerator = make_accelerator(cfg, cfg.gradient_accumulation_steps)
     if accelerator.num_processes != world_size:  # the batch arithmetic above assumed WORLD_SIZE processes
-        raise UserError(f"accelerate runs {accelerator.num_processes} process(es) but WORLD_SIZE is {world_size}; "
-                        "start the trainer with train_scripts/train_refl_lora.sh or accelerate launch.")
+        raise UserError(
+            f"accelerate runs {accelerator.num_processes} process(es) but WORLD_SIZE is {world_size}; "
+            "start the trainer with train_scripts/train_refl_lora.sh or accelerate launch."
+        )
     rank, device = accelerator.process_index, accelerator.device
     set_seed(cfg.seed)  # the same LoRA init on every process (DDP also broadcasts rank 0's weights)
 
@@ -193,8 +244,12 @@ def train(cfg: ReFLConfig) -> None:
     reward = build_refl_reward(cfg, device, dtype)
     optimizer = make_optimizer(params, cfg)
     # Stepped once per optimizer step by us (not through accelerate, which steps it once per process).
-    lr_scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps,
-                                 num_training_steps=cfg.max_train_steps)
+    lr_scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer,
+        num_warmup_steps=cfg.lr_warmup_steps,
+        num_training_steps=cfg.max_train_steps,
+    )
     ema = None
     if cfg.use_ema:
         from diffusers.training_utils import EMAModel
@@ -228,23 +283,30 @@ def train(cfg: ReFLConfig) -> None:
     start_trackers(accelerator, cfg, "refl")
     if accelerator.is_main_process:
         side = cfg.resolution // family.vae_scale_factor
-        print_config(cfg, {
-            "model family": family.name,
-            "processes": accelerator.num_processes,
-            "images per optimizer step": f"{batch} per process x {gas} accumulation x {accelerator.num_processes} "
-                                         f"process(es) = {batch * gas * accelerator.num_processes}",
-            "trainable parameters": sum(p.numel() for p in params),
-            "training prompts": len(prompts),
-            "latents": f"({family.network.config.in_channels}, {side}, {side})",
-        })
+        print_config(
+            cfg,
+            {
+                "model family": family.name,
+                "processes": accelerator.num_processes,
+                "images per optimizer step": f"{batch} per process x {gas} accumulation x {accelerator.num_processes} "
+                f"process(es) = {batch * gas * accelerator.num_processes}",
+                "trainable parameters": sum(p.numel() for p in params),
+                "training prompts": len(prompts),
+                "latents": f"({family.network.config.in_channels}, {side}, {side})",
+            },
+        )
     checksum_file = None
     if cfg.debug_lora_checksums:
         checksum_file = Path(cfg.output_dir) / CHECKSUM_DIR / f"lora_checksums_rank{rank}.jsonl"
         checksum_file.parent.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             checksum_file.write_text("")
-    progress = tqdm(total=cfg.max_train_steps, initial=start_step, desc="ReFL",
-                    disable=not accelerator.is_local_main_process)
+    progress = tqdm(
+        total=cfg.max_train_steps,
+        initial=start_step,
+        desc="ReFL",
+        disable=not accelerator.is_local_main_process,
+    )
 
     network.train()
     for step in range(start_step, cfg.max_train_steps):
@@ -261,10 +323,25 @@ def train(cfg: ReFLConfig) -> None:
                 metadata = [dict(prompts[i][1]) for i in idx]
                 cond, uncond = family.encode_prompts(batch_prompts, with_negative=do_cfg)
                 noise = family.initial_noise(batch, cfg.resolution, generator, cond["prompt_embeds"].dtype)
-                out = refl_step(family, scheduler, reward, cond, uncond, batch_prompts, metadata, noise, k,
-                                num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
-                                margin=cfg.margin, grad_scale=cfg.grad_scale, eta=cfg.eta, generator=generator,
-                                keep_trajectory=cfg.kl_weight > 0, network=network)
+                out = refl_step(
+                    family,
+                    scheduler,
+                    reward,
+                    cond,
+                    uncond,
+                    batch_prompts,
+                    metadata,
+                    noise,
+                    k,
+                    num_inference_steps=cfg.num_inference_steps,
+                    guidance_scale=cfg.guidance_scale,
+                    margin=cfg.margin,
+                    grad_scale=cfg.grad_scale,
+                    eta=cfg.eta,
+                    generator=generator,
+                    keep_trajectory=cfg.kl_weight > 0,
+                    network=network,
+                )
                 loss = out.loss
                 sums["refl"] += out.loss.item() / gas
                 # ---- regularisers ----
@@ -294,7 +371,9 @@ def train(cfg: ReFLConfig) -> None:
 
         # ---- logging (means over all processes) ----
         rewards_all = accelerator.gather(torch.cat(rewards_seen)).cpu()  # [gas * B * processes]
-        losses = accelerator.gather(torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=device)[None])
+        losses = accelerator.gather(
+            torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=device)[None]
+        )
         losses = losses.mean(0).tolist()
         stats = reward_stats(cfg.reward, rewards_all)
         logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": float(grad_norm), "refl/k": k}
@@ -316,11 +395,16 @@ def train(cfg: ReFLConfig) -> None:
 
         # ---- checkpoint ----
         if cfg.checkpointing_steps and global_step % cfg.checkpointing_steps == 0:
-            states = accelerator.gather(generator.get_state().to(device)[None]).cpu()  # [processes, state bytes]
+            states = accelerator.gather(
+                generator.get_state().to(device)[None]
+            ).cpu()  # [processes, state bytes]
             tensors = {"k_generator": k_generator.get_state()}
             tensors.update({f"generator/rank{r}": states[r] for r in range(accelerator.num_processes)})
-            counters = {"step": global_step, "num_processes": accelerator.num_processes,
-                        "lr_scheduler": lr_scheduler.state_dict()}
+            counters = {
+                "step": global_step,
+                "num_processes": accelerator.num_processes,
+                "lr_scheduler": lr_scheduler.state_dict(),
+            }
             if ema is not None:
                 ema_state = ema.state_dict()
                 tensors.update({f"ema/{i}": p for i, p in enumerate(ema_state.pop("shadow_params"))})

@@ -24,7 +24,9 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 class ReFLConfig(CommonConfig):
     """ReFL (ImageReward's Reward Feedback Learning) on Stable Diffusion, LoRA or full network, one or many GPUs."""
 
-    output_dir: str = field_("checkpoint/refl_lora", "Where the final LoRA, its config.json and checkpoint-N/ go.")
+    output_dir: str = field_(
+        "checkpoint/refl_lora", "Where the final LoRA, its config.json and checkpoint-N/ go."
+    )
     prompts_file: str | None = field_(
         "refl_prompts",
         "Training prompts: a file (one per line, or a JSON list of strings / {'text'|'prompt': ...} objects) or the "
@@ -37,16 +39,28 @@ class ReFLConfig(CommonConfig):
         group="reward and prompts",
     )
     preset: str | None = field_(None, "A recipe as defaults (toy_world); --config and flags override it.")
-    grad_scale: float = field_(1e-3, "Factor on the ReFL loss (ImageReward's ReFL.py: 1e-3; LoRA recipe: 0.01).", group="the ReFL step")
-    margin: float = field_(2.0, "Hinge margin: the ReFL loss is relu(margin - reward); rewards above it stop pulling.")
-    k_lo: int = field_(30, "Smallest step index that may run with gradient (0-based, of num_inference_steps).")
-    k_hi: int = field_(39, "Largest step index that may run with gradient; k is uniform in k_lo..k_hi inclusive.")
+    grad_scale: float = field_(
+        1e-3,
+        "Factor on the ReFL loss (ImageReward's ReFL.py: 1e-3; LoRA recipe: 0.01).",
+        group="the ReFL step",
+    )
+    margin: float = field_(
+        2.0, "Hinge margin: the ReFL loss is relu(margin - reward); rewards above it stop pulling."
+    )
+    k_lo: int = field_(
+        30, "Smallest step index that may run with gradient (0-based, of num_inference_steps)."
+    )
+    k_hi: int = field_(
+        39, "Largest step index that may run with gradient; k is uniform in k_lo..k_hi inclusive."
+    )
     scheduler: Literal["ddpm", "ddim"] = field_(
-        "ddpm", "Sampler of the training rollout: ddpm (ImageReward's ReFL.py) or ddim (deterministic with eta 0)."
+        "ddpm",
+        "Sampler of the training rollout: ddpm (ImageReward's ReFL.py) or ddim (deterministic with eta 0).",
     )
     eta: float = field_(0.0, "DDIM eta of the rollout (0 = deterministic); only with --scheduler ddim.")
     guidance_scale: float = field_(
-        1.0, "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference."
+        1.0,
+        "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference.",
     )
     max_train_steps: int = field_(100, "Optimizer steps to train for (the total, also when resuming).")
     total_batch_size: int | None = field_(
@@ -54,13 +68,19 @@ class ReFLConfig(CommonConfig):
         "Images per optimizer step over all processes; when set, gradient_accumulation_steps is derived as "
         "total_batch_size / (train_batch_size x processes), which must divide evenly.",
     )
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts",
-                          "polynomial"] = field_("constant", "Learning-rate schedule (diffusers.optimization).", group="optimisation extras")
-    lr_warmup_steps: int = field_(0, "Optimizer steps of linear warmup (with a *_with_warmup, linear or cosine "
-                                     "schedule).")
-    use_ema: bool = field_(False, "Keep an EMA of the UNet weights and save it at the end (full fine-tune only).")
+    lr_scheduler: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = field_("constant", "Learning-rate schedule (diffusers.optimization).", group="optimisation extras")
+    lr_warmup_steps: int = field_(
+        0, "Optimizer steps of linear warmup (with a *_with_warmup, linear or cosine schedule)."
+    )
+    use_ema: bool = field_(
+        False, "Keep an EMA of the UNet weights and save it at the end (full fine-tune only)."
+    )
     ema_decay: float = field_(0.9999, "EMA decay per optimizer step (diffusers' EMAModel).")
-    vae_gradient_checkpointing: bool = field_(False, "Recompute VAE decoder activations in backward (saves memory).")
+    vae_gradient_checkpointing: bool = field_(
+        False, "Recompute VAE decoder activations in backward (saves memory)."
+    )
     reward_gradient_checkpointing: bool = field_(
         False, "Recompute ImageReward's ViT and text-layer activations in backward (saves memory)."
     )
@@ -70,7 +90,10 @@ class ReFLConfig(CommonConfig):
         "matches torchvision < 0.17, which the 2023 ReFL runs used.",
     )
     pretrain_loss_weight: float = field_(
-        0.0, "Weight of the standard noise-prediction MSE on --pretrain_data_dir (ImageReward paper, eq. 4).", group="regularisers (off by default)")
+        0.0,
+        "Weight of the standard noise-prediction MSE on --pretrain_data_dir (ImageReward paper, eq. 4).",
+        group="regularisers (off by default)",
+    )
     pretrain_data_dir: str | None = field_(
         None, "Image-caption folder: images + metadata.jsonl with {'file_name': ..., 'text': ...} per line."
     )
@@ -78,10 +101,13 @@ class ReFLConfig(CommonConfig):
     kl_weight: float = field_(
         0.0, "Weight of the KL term to the base model (LoRA disabled) at the grad step; LoRA only."
     )
-    image_log_steps: int = field_(50, "Log a grid of the predicted x0 images every N optimizer steps (0 = off).", group="logging")
+    image_log_steps: int = field_(
+        50, "Log a grid of the predicted x0 images every N optimizer steps (0 = off).", group="logging"
+    )
     debug_lora_checksums: bool = field_(
-        False, "Each process appends the SHA-256 of its trainable weights after every optimizer step to "
-               "output_dir/debug/lora_checksums_rank{R}.jsonl (to check that all processes hold the same weights)."
+        False,
+        "Each process appends the SHA-256 of its trainable weights after every optimizer step to "
+        "output_dir/debug/lora_checksums_rank{R}.jsonl (to check that all processes hold the same weights).",
     )
 
     def check(self) -> None:
@@ -93,43 +119,62 @@ class ReFLConfig(CommonConfig):
         if self.k_lo < 0:
             raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
         if self.k_lo > self.k_hi:
-            raise UserError(f"--k_lo {self.k_lo} > --k_hi {self.k_hi}: k is drawn from k_lo..k_hi; make k_lo <= k_hi.")
+            raise UserError(
+                f"--k_lo {self.k_lo} > --k_hi {self.k_hi}: k is drawn from k_lo..k_hi; make k_lo <= k_hi."
+            )
         if self.k_hi >= T:
-            raise UserError(f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
-                            f"lower --k_hi or raise --num_inference_steps.")
+            raise UserError(
+                f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
+                f"lower --k_hi or raise --num_inference_steps."
+            )
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
         if self.guidance_scale < 1:
             raise UserError(f"--guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}.")
         if not is_differentiable(self.reward):  # also refuses unknown names, with the list of known ones
             names = ", ".join(n for n in available() if is_differentiable(n))
-            raise UserError(f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
-                            f"reward: choose a differentiable one ({names}) or train this reward with DDPO.")
+            raise UserError(
+                f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
+                f"reward: choose a differentiable one ({names}) or train this reward with DDPO."
+            )
         if "imagereward" not in [name for name, _ in parse_reward_spec(self.reward)] and (
-                self.reward_gradient_checkpointing or not self.reward_antialias):
-            raise UserError("--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
-                            f"--reward {self.reward} does not include.")
+            self.reward_gradient_checkpointing or not self.reward_antialias
+        ):
+            raise UserError(
+                "--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
+                f"--reward {self.reward} does not include."
+            )
         if self.total_batch_size is not None and self.total_batch_size <= 0:
             raise UserError(f"--total_batch_size must be > 0 (got {self.total_batch_size}).")
         if self.lr_warmup_steps < 0:
             raise UserError(f"--lr_warmup_steps must be >= 0 (got {self.lr_warmup_steps}).")
         if self.lr_warmup_steps and self.lr_scheduler == "constant":
-            raise UserError("--lr_warmup_steps needs a schedule with warmup: add --lr_scheduler constant_with_warmup.")
+            raise UserError(
+                "--lr_warmup_steps needs a schedule with warmup: add --lr_scheduler constant_with_warmup."
+            )
         if self.use_ema and self.use_lora:
-            raise UserError("--use_ema averages the full UNet weights: use it with --no-use_lora (or drop it).")
+            raise UserError(
+                "--use_ema averages the full UNet weights: use it with --no-use_lora (or drop it)."
+            )
         if not 0 < self.ema_decay <= 1:
             raise UserError(f"--ema_decay must be in (0, 1] (got {self.ema_decay}).")
         if self.kl_weight < 0 or self.pretrain_loss_weight < 0:
-            raise UserError("--kl_weight and --pretrain_loss_weight must be >= 0 (0 turns a regulariser off).")
+            raise UserError(
+                "--kl_weight and --pretrain_loss_weight must be >= 0 (0 turns a regulariser off)."
+            )
         if self.kl_weight > 0 and not self.use_lora:
-            raise UserError("--kl_weight compares with the base model by disabling the LoRA adapter, so it needs "
-                            "--use_lora (a full fine-tune has no base model to compare with).")
+            raise UserError(
+                "--kl_weight compares with the base model by disabling the LoRA adapter, so it needs "
+                "--use_lora (a full fine-tune has no base model to compare with)."
+            )
         if self.pretrain_loss_weight > 0 and not self.pretrain_data_dir:
             raise UserError("--pretrain_loss_weight > 0 needs --pretrain_data_dir (images + metadata.jsonl).")
         if self.image_log_steps < 0:
             raise UserError(f"--image_log_steps must be >= 0 (0 = off), got {self.image_log_steps}.")
         if self.use_8bit_adam and importlib.util.find_spec("bitsandbytes") is None:
-            raise UserError("--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag).")
+            raise UserError(
+                "--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag)."
+            )
 
 
 def check_reward_files(cfg: ReFLConfig) -> None:
@@ -143,8 +188,10 @@ def check_reward_files(cfg: ReFLConfig) -> None:
         return
     missing = [name for name in IMAGEREWARD_FILES if not (Path(folder) / name).exists()]
     if missing:
-        raise UserError(f"--reward_model_dir {folder} lacks {', '.join(missing)}: put ImageReward.pt, "
-                        "med_config.json and bert-base-uncased/ there (see checkpoint/README.md).")
+        raise UserError(
+            f"--reward_model_dir {folder} lacks {', '.join(missing)}: put ImageReward.pt, "
+            "med_config.json and bert-base-uncased/ there (see checkpoint/README.md)."
+        )
 
 
 def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLConfig:
@@ -153,16 +200,18 @@ def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLCo
         return cfg
     per_step = cfg.train_batch_size * num_processes
     if cfg.total_batch_size % per_step:
-        raise UserError(f"--total_batch_size {cfg.total_batch_size} is not a multiple of --train_batch_size "
-                        f"{cfg.train_batch_size} x {num_processes} process(es) = {per_step}; change one of them "
-                        "(or NUM_PROCESSES).")
+        raise UserError(
+            f"--total_batch_size {cfg.total_batch_size} is not a multiple of --train_batch_size "
+            f"{cfg.train_batch_size} x {num_processes} process(es) = {per_step}; change one of them "
+            "(or NUM_PROCESSES)."
+        )
     steps = cfg.total_batch_size // per_step
     if cfg.gradient_accumulation_steps not in (1, steps):
-        raise UserError(f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} contradicts "
-                        f"--total_batch_size {cfg.total_batch_size} (which gives {steps}); pass only one of them.")
+        raise UserError(
+            f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} contradicts "
+            f"--total_batch_size {cfg.total_batch_size} (which gives {steps}); pass only one of them."
+        )
     return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
-
-
 
 
 # The toy world (refl_ddpo.toy_world): its committed model and classifier, the 12 training prompts; a recipe that
