@@ -159,6 +159,28 @@ def test_shuffle_keeps_each_samples_steps_together():
     assert not torch.equal(out["timesteps"] % 1000, samples["timesteps"] % 1000), "steps shuffled per sample"
 
 
+def test_skipped_last_steps_are_never_trained():
+    """--train_skip_last_steps k: only the first S - k steps are shuffled and put first; the last k stay behind."""
+    n, s, k = 6, 5, 2
+    t = torch.arange(s).repeat(n, 1)  # (N, S): step index
+    samples = {
+        "timesteps": t,
+        "latents": t[..., None].float(),
+        "next_latents": t[..., None].float(),
+        "log_probs": t.float(),
+        "prompt_embeds": torch.zeros(n, 1),
+        "advantages": torch.zeros(n),
+    }
+    out = shuffle_samples(samples, torch.Generator().manual_seed(0), trainable_steps=s - k)
+    assert (out["timesteps"][:, : s - k].sort(dim=1).values == torch.arange(s - k)).all()
+    assert (out["timesteps"][:, s - k :] == torch.arange(s - k, s)).all()
+    assert torch.equal(out["latents"][..., 0], out["timesteps"].float())
+    # the default draws exactly what it drew before the option existed (resumed runs stay bit-exact)
+    a = shuffle_samples(samples, torch.Generator().manual_seed(3))
+    b = shuffle_samples(samples, torch.Generator().manual_seed(3), trainable_steps=s)
+    assert torch.equal(a["timesteps"], b["timesteps"])
+
+
 # ---- components on the tiny model ----
 
 

@@ -85,4 +85,4 @@ def test_refl_raises_held_out_colour_accuracy(tmp_path, base_accuracy):
     assert after - base_accuracy >= REFL_MARGIN, (base_accuracy, after)
 
 
-REFL_MARGIN = 0.10
+REFL_MARGIN = 0.12  # measured gains over 5 seeds: +0.25 to +0.42 (mean +0.30, std 0.07)

@@ -73,10 +73,24 @@ def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: l
 
 
 @torch.no_grad()
-def sample_epoch(family: ModelFamily, scheduler, prompt_fn, reward: Reward, uncond: Cond, *, batch_size: int,
-                 num_batches: int, num_steps: int, guidance_scale: float, eta: float, resolution: int,
-                 generator: torch.Generator, network=None, autocast=None,
-                 executor: ThreadPoolExecutor | None = None) -> list[SampleBatch]:
+def sample_epoch(
+    family: ModelFamily,
+    scheduler,
+    prompt_fn,
+    reward: Reward,
+    uncond: Cond,
+    *,
+    batch_size: int,
+    num_batches: int,
+    num_steps: int,
+    guidance_scale: float,
+    eta: float,
+    resolution: int,
+    generator: torch.Generator,
+    network=None,
+    autocast=None,
+    executor: ThreadPoolExecutor | None = None,
+) -> list[SampleBatch]:
     """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
 
     `uncond` (batch 1) is the empty prompt's conditioning; `generator` (CPU) draws the initial noise and every step's
@@ -91,18 +105,40 @@ def sample_epoch(family: ModelFamily, scheduler, prompt_fn, reward: Reward, unco
         with autocast():
             from refl_ddpo.sampling import denoise
 
-            out = denoise(family, scheduler, cond, cond_expand(uncond, batch_size), noise, num_steps, guidance_scale,
-                          eta=eta, generator=generator, with_logprob=True, keep_trajectory=True, network=network)
+            out = denoise(
+                family,
+                scheduler,
+                cond,
+                cond_expand(uncond, batch_size),
+                noise,
+                num_steps,
+                guidance_scale,
+                eta=eta,
+                generator=generator,
+                with_logprob=True,
+                keep_trajectory=True,
+                network=network,
+            )
             images = family.decode(out.latents)
         trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
-        rewards = (executor.submit(_score, reward, images, prompts, metadata) if executor is not None
-                   else _score(reward, images, prompts, metadata))
-        batches.append(SampleBatch(
-            prompts=prompts, prompt_metadata=metadata, cond=cond,
-            timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1), latents=trajectory[:, :-1],
-            next_latents=trajectory[:, 1:], log_probs=torch.stack(out.log_probs, dim=1), images=images,
-            rewards=rewards,
-        ))
+        rewards = (
+            executor.submit(_score, reward, images, prompts, metadata)
+            if executor is not None
+            else _score(reward, images, prompts, metadata)
+        )
+        batches.append(
+            SampleBatch(
+                prompts=prompts,
+                prompt_metadata=metadata,
+                cond=cond,
+                timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1),
+                latents=trajectory[:, :-1],
+                next_latents=trajectory[:, 1:],
+                log_probs=torch.stack(out.log_probs, dim=1),
+                images=images,
+                rewards=rewards,
+            )
+        )
     return batches
 
 
@@ -122,8 +158,9 @@ def stack_samples(batches: list[SampleBatch], advantages: torch.Tensor) -> dict[
     return samples
 
 
-def shuffle_samples(samples: dict[str, torch.Tensor], generator: torch.Generator,
-                    trainable_steps: int | None = None) -> dict[str, torch.Tensor]:
+def shuffle_samples(
+    samples: dict[str, torch.Tensor], generator: torch.Generator, trainable_steps: int | None = None
+) -> dict[str, torch.Tensor]:
     """Shuffle samples, then each sample's timesteps independently (ddpo-pytorch), drawn from `generator`.
 
     With `trainable_steps` k < S only the first k steps of each trajectory are shuffled and put first; the last
@@ -134,8 +171,12 @@ def shuffle_samples(samples: dict[str, torch.Tensor], generator: torch.Generator
     perm = torch.randperm(n, generator=generator, device=generator.device)
     out = {k: v[perm.to(v.device)] for k, v in samples.items()}
     tail = torch.arange(keep, steps, device=generator.device)
-    time_perm = torch.stack([torch.cat([torch.randperm(keep, generator=generator, device=generator.device), tail])
-                             for _ in range(n)])  # (N, S)
+    time_perm = torch.stack(
+        [
+            torch.cat([torch.randperm(keep, generator=generator, device=generator.device), tail])
+            for _ in range(n)
+        ]
+    )  # (N, S)
     rows = torch.arange(n)[:, None]
     for key in STEP_KEYS:
         v = out[key]
@@ -148,31 +189,58 @@ def shuffle_samples(samples: dict[str, torch.Tensor], generator: torch.Generator
 # --------------------------------------------------------------------------------------------------------------
 
 
-def step_log_prob(family: ModelFamily, scheduler, latents: torch.Tensor, timesteps: torch.Tensor,
-                  next_latents: torch.Tensor, cond: Cond, uncond: Cond | None, guidance_scale: float, eta: float,
-                  network=None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_log_prob(
+    family: ModelFamily,
+    scheduler,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    next_latents: torch.Tensor,
+    cond: Cond,
+    uncond: Cond | None,
+    guidance_scale: float,
+    eta: float,
+    network=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability (B,) of the stored `next_latents` under the current network, and the network's output.
 
     latents / next_latents (B, C, h, w), timesteps (B,) (one per sample, after shuffling), `uncond` None: no CFG.
     The scheduler must have `set_timesteps(sample_num_steps)`.
     """
     model_output = family.predict(latents, timesteps, scheduler, cond, uncond, guidance_scale, network)
-    _, log_prob, _ = family.step_with_logprob(scheduler, model_output, timesteps, latents, eta,
-                                              prev_sample=next_latents)
+    _, log_prob, _ = family.step_with_logprob(
+        scheduler, model_output, timesteps, latents, eta, prev_sample=next_latents
+    )
     return log_prob, model_output
 
 
-def train_on_samples(family: ModelFamily, network, scheduler, samples: dict[str, torch.Tensor], uncond: Cond | None,
-                     accelerator, optimizer, params: list[torch.nn.Parameter], generator: torch.Generator, *,
-                     num_steps: int, batch_size: int, num_train_steps: int, guidance_scale: float, eta: float,
-                     clip_range: float, kl_weight: float = 0.0, max_grad_norm: float = 0.0,
-                     skip_last_steps: int = 0) -> list[dict[str, float]]:
+def train_on_samples(
+    family: ModelFamily,
+    network,
+    scheduler,
+    samples: dict[str, torch.Tensor],
+    uncond: Cond | None,
+    accelerator,
+    optimizer,
+    params: list[torch.nn.Parameter],
+    generator: torch.Generator,
+    *,
+    num_steps: int,
+    batch_size: int,
+    num_train_steps: int,
+    guidance_scale: float,
+    eta: float,
+    clip_range: float,
+    kl_weight: float = 0.0,
+    max_grad_norm: float = 0.0,
+    skip_last_steps: int = 0,
+) -> list[dict[str, float]]:
     """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
 
     `network` is the prepared (possibly DDP-wrapped) network and `optimizer` the prepared optimizer (it steps only
     when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
     x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
-    trains without CFG; `skip_last_steps` sampler steps at the end of each trajectory are never trained on. Returns one dict of metrics (mean over its micro-steps and processes) per optimizer step.
+    trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
+    Returns one dict of metrics (mean over its micro-steps and processes) per optimizer step.
     """
     from refl_ddpo.lora import adapters_off
 
@@ -191,12 +259,26 @@ def train_on_samples(family: ModelFamily, network, scheduler, samples: dict[str,
             x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]
             with accelerator.accumulate(network):
                 with accelerator.autocast():
-                    log_prob, model_output = step_log_prob(family, scheduler, x_t, t, batch["next_latents"][:, j],
-                                                           cond, uncond, guidance_scale, eta, network)
-                    loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range)
+                    log_prob, model_output = step_log_prob(
+                        family,
+                        scheduler,
+                        x_t,
+                        t,
+                        batch["next_latents"][:, j],
+                        cond,
+                        uncond,
+                        guidance_scale,
+                        eta,
+                        network,
+                    )
+                    loss, info = ppo_clip_loss(
+                        log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range
+                    )
                     if kl_weight > 0:
                         with adapters_off(base):
-                            ref_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
+                            ref_output = family.predict(
+                                x_t, t, scheduler, cond, uncond, guidance_scale, network
+                            )
                         kl = family.step_kl(scheduler, model_output, ref_output, t, eta).mean()
                         info["kl"] = kl.detach()
                         loss = loss + kl_weight * kl
@@ -209,7 +291,9 @@ def train_on_samples(family: ModelFamily, network, scheduler, samples: dict[str,
                 optimizer.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
-                means = accelerator.reduce({k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean")
+                means = accelerator.reduce(
+                    {k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean"
+                )
                 results.append({k: float(v) for k, v in means.items()})
                 acc = defaultdict(list)
     return results
@@ -271,19 +355,30 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     scheduler = family.scheduler("DDIMScheduler")
     family.pipe.scheduler = scheduler
     if cfg.kl_weight > 0 and scheduler.config.clip_sample:
-        raise UserError(f"--kl_weight needs a scheduler with clip_sample=False (Stable Diffusion's); "
-                        f"{cfg.pretrained_model} clips x0: use --kl_weight 0.")
+        raise UserError(
+            f"--kl_weight needs a scheduler with clip_sample=False (Stable Diffusion's); "
+            f"{cfg.pretrained_model} clips x0: use --kl_weight 0."
+        )
     optimizer = make_optimizer(params, cfg)
     network, optimizer = accelerator.prepare(family.network, optimizer)
     reward = build_reward(cfg.reward, accelerator.device, dtype, cfg.reward_model_dir)
     uncond, _ = family.encode_prompts([""], with_negative=False)  # batch 1
-    tracker = (PerPromptStatTracker(cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count)
-               if cfg.per_prompt_stat_tracking else None)
+    tracker = (
+        PerPromptStatTracker(cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count)
+        if cfg.per_prompt_stat_tracking
+        else None
+    )
     hook = image_samples_hook or default_image_hook(accelerator)
     start_trackers(accelerator, cfg, "ddpo")
     if main:
-        print_config(cfg, {**epoch_sizes(cfg, accelerator.num_processes), "processes": accelerator.num_processes,
-                           "resume from": resume})
+        print_config(
+            cfg,
+            {
+                **epoch_sizes(cfg, accelerator.num_processes),
+                "processes": accelerator.num_processes,
+                "resume from": resume,
+            },
+        )
 
     # ---- resume ----
     first_epoch, global_step = 0, 0
@@ -292,24 +387,44 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         first_epoch, global_step = int(counters["epoch"]), int(counters["global_step"])
         if tracker is not None and counters.get("stat_tracker"):
             tracker.load_state_dict(counters["stat_tracker"])
-        accelerator.print(f"resumed from {resume}: {first_epoch} epoch(s) done, {global_step} optimizer step(s)")
+        accelerator.print(
+            f"resumed from {resume}: {first_epoch} epoch(s) done, {global_step} optimizer step(s)"
+        )
 
     executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
     train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
-    bar = tqdm(range(first_epoch, cfg.num_epochs), desc="DDPO epochs", disable=not accelerator.is_local_main_process,
-               initial=first_epoch, total=cfg.num_epochs)
+    bar = tqdm(
+        range(first_epoch, cfg.num_epochs),
+        desc="DDPO epochs",
+        disable=not accelerator.is_local_main_process,
+        initial=first_epoch,
+        total=cfg.num_epochs,
+    )
     try:
         for epoch in bar:
             # ---- sampling (prompts, noise and shuffles seeded by (seed, epoch, process): resumable) ----
             network.eval()
-            prompt_fn = get_prompt_fn(cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-                                      seed=stream_seed(cfg.seed, epoch, rank, 0))
+            prompt_fn = get_prompt_fn(
+                cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
+                seed=stream_seed(cfg.seed, epoch, rank, 0),
+            )
             batches = sample_epoch(
-                family, scheduler, prompt_fn, reward, uncond, batch_size=cfg.sample_batch_size,
-                num_batches=cfg.sample_num_batches_per_epoch, num_steps=cfg.sample_num_steps,
-                guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, resolution=cfg.resolution,
-                generator=seeded_generator(cfg.seed, epoch, rank, 1), network=network,
-                autocast=accelerator.autocast, executor=executor)
+                family,
+                scheduler,
+                prompt_fn,
+                reward,
+                uncond,
+                batch_size=cfg.sample_batch_size,
+                num_batches=cfg.sample_num_batches_per_epoch,
+                num_steps=cfg.sample_num_steps,
+                guidance_scale=cfg.sample_guidance_scale,
+                eta=cfg.sample_eta,
+                resolution=cfg.resolution,
+                generator=seeded_generator(cfg.seed, epoch, rank, 1),
+                network=network,
+                autocast=accelerator.autocast,
+                executor=executor,
+            )
             collect_rewards(batches)
 
             # ---- rewards -> advantages, over all processes ----
@@ -318,39 +433,66 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             all_prompts = gather_object([p for b in batches for p in b.prompts])
             advantages = compute_advantages(all_rewards, all_prompts, tracker, cfg.train_adv_clip_max)
             advantages = advantages.reshape(accelerator.num_processes, -1)[rank]  # this process' samples
-            parts = {name: accelerator.gather(torch.cat([b.rewards[1][name].float() for b in batches])
-                                              .to(accelerator.device)).cpu()
-                     for name, _ in parse_reward_spec(cfg.reward) if name in batches[0].rewards[1]}
+            parts = {
+                name: accelerator.gather(
+                    torch.cat([b.rewards[1][name].float() for b in batches]).to(accelerator.device)
+                ).cpu()
+                for name, _ in parse_reward_spec(cfg.reward)
+                if name in batches[0].rewards[1]
+            }
             stats = reward_stats(cfg.reward, all_rewards, parts)
             accelerator.log({**stats, "ddpo/epoch": epoch}, step=global_step)
             if main:
-                bar.write(f"epoch {epoch + 1}/{cfg.num_epochs}: {len(all_rewards)} rewards from "
-                          f"{accelerator.num_processes} process(es), "
-                          + ", ".join(f"{k} {v:.4g}" for k, v in stats.items()))
-                hook([[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in batches],
-                     global_step, accelerator.trackers[0] if accelerator.trackers else None)
+                bar.write(
+                    f"epoch {epoch + 1}/{cfg.num_epochs}: {len(all_rewards)} rewards from "
+                    f"{accelerator.num_processes} process(es), "
+                    + ", ".join(f"{k} {v:.4g}" for k, v in stats.items())
+                )
+                hook(
+                    [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in batches],
+                    global_step,
+                    accelerator.trackers[0] if accelerator.trackers else None,
+                )
 
             # ---- training ----
             samples = stack_samples(batches, advantages)
             del batches
             for inner_epoch in range(cfg.train_num_inner_epochs):
                 steps = train_on_samples(
-                    family, network, scheduler, samples, train_uncond, accelerator, optimizer, params,
-                    seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch), num_steps=cfg.sample_num_steps,
-                    batch_size=cfg.train_batch_size, num_train_steps=num_train_timesteps(cfg),
-                    guidance_scale=cfg.sample_guidance_scale, eta=cfg.sample_eta, clip_range=cfg.train_clip_range,
-                    kl_weight=cfg.kl_weight, max_grad_norm=cfg.max_grad_norm,
-                    skip_last_steps=cfg.train_skip_last_steps)
+                    family,
+                    network,
+                    scheduler,
+                    samples,
+                    train_uncond,
+                    accelerator,
+                    optimizer,
+                    params,
+                    seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch),
+                    num_steps=cfg.sample_num_steps,
+                    batch_size=cfg.train_batch_size,
+                    num_train_steps=num_train_timesteps(cfg),
+                    guidance_scale=cfg.sample_guidance_scale,
+                    eta=cfg.sample_eta,
+                    clip_range=cfg.train_clip_range,
+                    kl_weight=cfg.kl_weight,
+                    max_grad_norm=cfg.max_grad_norm,
+                    skip_last_steps=cfg.train_skip_last_steps,
+                )
                 for info in steps:
-                    accelerator.log({f"ddpo/{k}": v for k, v in info.items()} | {"ddpo/inner_epoch": inner_epoch},
-                                    step=global_step)
+                    accelerator.log(
+                        {f"ddpo/{k}": v for k, v in info.items()} | {"ddpo/inner_epoch": inner_epoch},
+                        step=global_step,
+                    )
                     global_step += 1
 
             # ---- state ----
             done = epoch + 1
             if done % cfg.save_freq == 0 or done == cfg.num_epochs:
-                counters = {"epoch": done, "global_step": global_step,
-                            "stat_tracker": tracker.state_dict() if tracker is not None else None}
+                counters = {
+                    "epoch": done,
+                    "global_step": global_step,
+                    "stat_tracker": tracker.state_dict() if tracker is not None else None,
+                }
                 save_checkpoint(accelerator, cfg, done, counters, {})
     finally:
         if executor is not None:

@@ -36,7 +36,9 @@ class DDPOConfig(CommonConfig):
         "from_file when --prompts_file is given, else "
         "imagenet_animals.",
     )
-    sample_num_steps: int = field_(50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling")
+    sample_num_steps: int = field_(
+        50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
+    )
     sample_eta: float = field_(
         1.0, "DDIM eta of the sampler; must be > 0, the step log-probabilities need noise."
     )
@@ -48,19 +50,22 @@ class DDPOConfig(CommonConfig):
         2, "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images."
     )
     train_batch_size: int = field_(
-        1, "Samples per training micro-batch, per GPU (divides --sample_batch_size).")
+        1, "Samples per training micro-batch, per GPU (divides --sample_batch_size)."
+    )
     train_gradient_accumulation_steps: int = field_(
-        1, "Micro-batches per optimizer step; each micro-batch also accumulates over its trained timesteps.",
-        group="training"
+        1,
+        "Micro-batches per optimizer step; each micro-batch also accumulates over its trained timesteps.",
+        group="training",
     )
     train_num_inner_epochs: int = field_(1, "Passes over each epoch's samples (PPO inner epochs).")
     train_timestep_fraction: float = field_(
         1.0, "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1]."
     )
     train_skip_last_steps: int = field_(
-        0, "Never train on the last N sampler steps (--train_timestep_fraction is then a fraction of the other "
+        0,
+        "Never train on the last N sampler steps (--train_timestep_fraction is then a fraction of the other "
         "steps). Their tiny noise scale makes their log-probability gradients the largest while they change only "
-        "fine detail; skipping them focuses the update on the steps that decide the image's content."
+        "fine detail; skipping them focuses the update on the steps that decide the image's content.",
     )
     train_clip_range: float = field_(
         1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF)."
@@ -75,20 +80,29 @@ class DDPOConfig(CommonConfig):
         "DDIM steps per trained timestep, averaged per dimension like the log-probabilities. 0 = off.",
     )
     per_prompt_stat_tracking: bool = field_(
-        True, "Normalise rewards per prompt with a running buffer (else with the epoch's mean / std).", group="advantages")
+        True,
+        "Normalise rewards per prompt with a running buffer (else with the epoch's mean / std).",
+        group="advantages",
+    )
     per_prompt_stat_tracking_buffer_size: int = field_(16, "Rewards kept per prompt for its mean / std.")
     per_prompt_stat_tracking_min_count: int = field_(
         16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
     )
     async_reward_computation: bool = field_(
-        False, "Compute rewards in a thread pool while sampling continues.", group="rewards")
+        False, "Compute rewards in a thread pool while sampling continues.", group="rewards"
+    )
     max_workers: int = field_(2, "Threads of the reward pool (with --async_reward_computation).")
-    num_epochs: int = field_(100, "Epochs (sample, then train) to run in total, counting resumed ones.", group="run length and state")
+    num_epochs: int = field_(
+        100,
+        "Epochs (sample, then train) to run in total, counting resumed ones.",
+        group="run length and state",
+    )
     save_freq: int = field_(
         20, "Save accelerate state to output_dir/checkpoint-N every this many epochs (and at the end)."
     )
     output_dir: str = field_(
-        "checkpoint/ddpo_lora", "Where the final LoRA, its config.json and checkpoint-N/ go.")
+        "checkpoint/ddpo_lora", "Where the final LoRA, its config.json and checkpoint-N/ go."
+    )
     learning_rate: float = field_(3e-4, "AdamW learning rate.")
     adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")
     checkpoints_total_limit: int | None = field_(
@@ -119,8 +133,10 @@ class DDPOConfig(CommonConfig):
             if getattr(self, alias) is None:
                 setattr(self, alias, getattr(self, name))
             elif getattr(self, alias) != getattr(self, name):
-                raise UserError(f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
-                                f"--{alias} is an alias of --{name}: give only one of them.")
+                raise UserError(
+                    f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
+                    f"--{alias} is an alias of --{name}: give only one of them."
+                )
         super().check()
         if self.preset == "prompt_image_alignment":
             raise UserError(
@@ -133,9 +149,16 @@ class DDPOConfig(CommonConfig):
                 "N (epochs) instead."
             )
         self.check_positive(
-            "sample_num_steps", "sample_batch_size", "sample_num_batches_per_epoch",
-            "train_gradient_accumulation_steps", "train_num_inner_epochs", "num_epochs", "save_freq",
-            "per_prompt_stat_tracking_buffer_size", "per_prompt_stat_tracking_min_count", "max_workers",
+            "sample_num_steps",
+            "sample_batch_size",
+            "sample_num_batches_per_epoch",
+            "train_gradient_accumulation_steps",
+            "train_num_inner_epochs",
+            "num_epochs",
+            "save_freq",
+            "per_prompt_stat_tracking_buffer_size",
+            "per_prompt_stat_tracking_min_count",
+            "max_workers",
         )
         if self.sample_eta <= 0:
             raise UserError(
@@ -292,8 +315,6 @@ def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:
         "optimizer steps per epoch": images // effective * cfg.train_num_inner_epochs,
         "trained timesteps per sample": num_train_timesteps(cfg),
     }
-
-
 
 
 def parse_ddpo_config(argv: list[str] | None = None) -> DDPOConfig:
