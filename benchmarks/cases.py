@@ -101,7 +101,7 @@ def _pixel_mean_reward():
 
 def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward):
     """refl_ddpo.trainers.ddpo.sample_epoch for the one batch of `config`, as the DDPO trainer calls it."""
-    from refl_ddpo.trainers.ddpo import sample_epoch
+    from refl_ddpo.rollouts import sample_epoch
 
     return sample_epoch(
         family,
@@ -141,7 +141,8 @@ def ddpo_train_case(batch: int, micro: int) -> Case:
     """refl_ddpo.trainers.ddpo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.ddpo import collect_rewards, stack_samples, train_on_samples
+        from refl_ddpo.rollouts import collect_rewards, stack_samples
+        from refl_ddpo.trainers.ddpo import train_on_samples
         from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 
         config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,153 +33,14 @@ import torch
 
 from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages, ppo_clip_loss
 from refl_ddpo.errors import UserError, cli_main
-from refl_ddpo.families import Cond, ModelFamily, cond_cat, cond_expand
-from refl_ddpo.rewards import Reward
+from refl_ddpo.families import Cond, ModelFamily, cond_expand
+from refl_ddpo.rollouts import STEP_KEYS, collect_rewards, sample_epoch, shuffle_samples, stack_samples
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
 from refl_ddpo.training import seeded_generator, stream_seed
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
 # [images (B, 3, H, W) in [0, 1], prompts, prompt_metadata, rewards (B,), reward_metadata] batches, newest last.
 ImageSamplesHook = Callable[[list[list[Any]], int, Any], None]
-STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (N, S, ...) per sample and step
-
-
-# --------------------------------------------------------------------------------------------------------------
-# sampling
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SampleBatch:
-    """One sampling batch: the trajectory (what training needs) and the images and rewards (what is logged)."""
-
-    prompts: list[str]
-    prompt_metadata: list[dict]
-    cond: Cond  # e.g. {"prompt_embeds": (B, L, D)}
-    timesteps: torch.Tensor  # (B, S)
-    latents: torch.Tensor  # (B, S, C, h, w): x_t before each step
-    next_latents: torch.Tensor  # (B, S, C, h, w): x_{t-1} the sampler drew
-    log_probs: torch.Tensor  # (B, S)
-    images: torch.Tensor  # (B, 3, H, W) in [0, 1]
-    rewards: Future | tuple[torch.Tensor, dict]
-
-
-def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-    with torch.no_grad():  # grad mode is per thread: the pool's threads start with it on
-        rewards, info = reward(images, prompts, metadata)
-    return rewards.detach().float(), info
-
-
-@torch.no_grad()
-def sample_epoch(
-    family: ModelFamily,
-    scheduler,
-    prompt_fn,
-    reward: Reward,
-    uncond: Cond,
-    *,
-    batch_size: int,
-    num_batches: int,
-    num_steps: int,
-    guidance_scale: float,
-    eta: float,
-    resolution: int,
-    generator: torch.Generator,
-    network=None,
-    autocast=None,
-    executor: ThreadPoolExecutor | None = None,
-) -> list[SampleBatch]:
-    """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
-
-    `uncond` (batch 1) is the empty prompt's conditioning; `generator` (CPU) draws the initial noise and every step's
-    noise; `network` is the (accelerate-wrapped) network to sample with, the family's own by default.
-    """
-    autocast = autocast or nullcontext
-    batches = []
-    for _ in range(num_batches):
-        prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size))))
-        cond, _ = family.encode_prompts(prompts, with_negative=False)
-        noise = family.initial_noise(batch_size, resolution, generator, next(iter(cond.values())).dtype)
-        with autocast():
-            from refl_ddpo.sampling import denoise
-
-            out = denoise(
-                family,
-                scheduler,
-                cond,
-                cond_expand(uncond, batch_size),
-                noise,
-                num_steps,
-                guidance_scale,
-                eta=eta,
-                generator=generator,
-                with_logprob=True,
-                keep_trajectory=True,
-                network=network,
-            )
-            images = family.decode(out.latents)
-        trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
-        rewards = (
-            executor.submit(_score, reward, images, prompts, metadata)
-            if executor is not None
-            else _score(reward, images, prompts, metadata)
-        )
-        batches.append(
-            SampleBatch(
-                prompts=prompts,
-                prompt_metadata=metadata,
-                cond=cond,
-                timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1),
-                latents=trajectory[:, :-1],
-                next_latents=trajectory[:, 1:],
-                log_probs=torch.stack(out.log_probs, dim=1),
-                images=images,
-                rewards=rewards,
-            )
-        )
-    return batches
-
-
-def collect_rewards(batches: list[SampleBatch]) -> None:
-    """Wait for reward futures, in place: each batch's `rewards` becomes (rewards (B,), info)."""
-    for batch in batches:
-        if isinstance(batch.rewards, Future):
-            batch.rewards = batch.rewards.result()
-
-
-def stack_samples(batches: list[SampleBatch], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The training tensors of an epoch, batches concatenated: N = batches x batch size samples per process; the
-    conditioning tensors under their own names."""
-    samples = {key: torch.cat([getattr(b, key) for b in batches]) for key in STEP_KEYS}
-    samples.update(cond_cat([b.cond for b in batches]))
-    samples["advantages"] = advantages.to(samples["log_probs"].device)
-    return samples
-
-
-def shuffle_samples(
-    samples: dict[str, torch.Tensor], generator: torch.Generator, trainable_steps: int | None = None
-) -> dict[str, torch.Tensor]:
-    """Shuffle samples, then each sample's timesteps independently (ddpo-pytorch), drawn from `generator`.
-
-    With `trainable_steps` k < S only the first k steps of each trajectory are shuffled and put first; the last
-    S - k follow in order, so a trainer taking the first <= k shuffled steps never trains on them.
-    """
-    n, steps = samples["timesteps"].shape
-    keep = steps if trainable_steps is None else trainable_steps
-    perm = torch.randperm(n, generator=generator, device=generator.device)
-    out = {k: v[perm.to(v.device)] for k, v in samples.items()}
-    tail = torch.arange(keep, steps, device=generator.device)
-    time_perm = torch.stack(
-        [
-            torch.cat([torch.randperm(keep, generator=generator, device=generator.device), tail])
-            for _ in range(n)
-        ]
-    )  # (N, S)
-    rows = torch.arange(n)[:, None]
-    for key in STEP_KEYS:
-        v = out[key]
-        out[key] = v[rows.to(v.device), time_perm.to(v.device)]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
