@@ -25,7 +25,7 @@ all equally noisy (JPEG sizes within a few bytes of each other), and no policy g
 also writes the toy world (refl_ddpo.toy_world: coloured shapes on grey, prompts "a {colour} {shape}"):
 OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect) and
 OUT/toy_classifier.{safetensors,json} (the toy_classifier reward's CNN), copied from the weights committed under
-refl_ddpo/data/toy_world/ after checking their SHA256SUMS (a mismatch exits 2). `--rebuild_toy_world` trains them
+toy_world.DATA_DIR after checking their SHA256SUMS (a mismatch exits 2). `--rebuild_toy_world` trains them
 from scratch instead (refl_ddpo.toy_build; about 20 minutes on one core; same weights only on the same CPU kind).
 """
 

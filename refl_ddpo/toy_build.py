@@ -1,6 +1,6 @@
 """Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
 `torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
-differ in the last bits, which is why the built weights are committed (refl_ddpo/data/toy_world/, see
+differ in the last bits, which is why the built weights are committed (toy_world.DATA_DIR, see
 refl_ddpo.toy_world). Slow: about 20 minutes on one core (VAE 6, UNet 10, classifier 5-9).
 
     python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy_classifier.{safetensors,json}, SHA256SUMS
@@ -349,7 +349,7 @@ def build_toy_world(
     out: str | Path, seed: int = SEED, unet_steps: int = UNET_STEPS, sums: bool = False
 ) -> Path:
     """Train everything and write OUT/toy-sd/, OUT/toy_classifier.{safetensors,json} (and with `sums`
-    OUT/SHA256SUMS of every file under OUT, as committed in refl_ddpo/data/toy_world/). Returns OUT/toy-sd."""
+    OUT/SHA256SUMS of every file under OUT, as committed in toy_world.DATA_DIR). Returns OUT/toy-sd."""
     deterministic()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) h
 "a red ..." red or magenta about equally; see refl_ddpo.toy_build.
 
 The trained models (built by `refl_ddpo.toy_build`, deterministically from seeds, on one CPU thread) are committed
-under refl_ddpo/data/toy_world/ with their SHA256SUMS, so every machine tests on the same weights;
+under toy_world.DATA_DIR with their SHA256SUMS, so every machine tests on the same weights;
 `write_toy_world(out)` (`python -m refl_ddpo.tiny OUT --toy_world`) copies them after checking the sums.
 """
 
@@ -290,7 +290,7 @@ def verify_sums(folder: Path) -> list[str]:
 def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path | None = None) -> Path:
     """OUT/toy-sd/ (a StableDiffusionPipeline folder) and OUT/toy_classifier.{safetensors,json}; returns OUT/toy-sd.
 
-    Copies the committed weights (from `source`, default refl_ddpo/data/toy_world) after checking SHA256SUMS, or with
+    Copies the committed weights (from `source`, default toy_world.DATA_DIR) after checking SHA256SUMS, or with
     `rebuild` trains everything from scratch (`refl_ddpo.toy_build.build_toy_world`; about 20 minutes on one core)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
