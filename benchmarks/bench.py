@@ -92,6 +92,8 @@ def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:
         for case in make_cases(cfg):
             t0 = time.perf_counter()
             r = measure(b, case)
+            if "profile" in r:
+                (out / f"profile_{case.name.replace(' ', '_')}.txt").write_text(r.pop("profile"))
             results["cases"].append(r)
             what = r.get("error") or f"median {fmt_s(r['median_s'])}"
             print(f"  {case.name:<24} {what}  ({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -95,6 +95,11 @@ class BenchConfig(ConfigBase):
         "Dense bf16 rate for MFU, TFLOP/s: 788 is what an 8192^3 bf16 matmul reached on an H200 here "
         "(datasheet 989); used for every dtype.",
     )
+    profile: bool = field_(
+        False,
+        "Also run each case once under torch.profiler and write its op table (with the wall and device-busy "
+        "times) to --out/profile_<case>.txt.",
+    )
     flops_only: bool = field_(
         False,
         "Run nothing: count every case's model FLOPs on the meta device (per-sample "

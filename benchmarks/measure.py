@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import platform
@@ -12,6 +13,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -75,8 +77,9 @@ def count_flops(
     return counter.get_total_flops(), output
 
 
-def count_syncs(run: Callable[[], torch.Tensor]) -> int:
-    """Device->host synchronisations in one run, as torch.cuda.set_sync_debug_mode reports them (CUDA only)."""
+def count_syncs(run: Callable[[], torch.Tensor], top: int = 12) -> tuple[int, list[str]]:
+    """Host<->device synchronisations in one run, as torch.cuda.set_sync_debug_mode reports them (CUDA only), and
+    the `top` Python lines that caused most of them ("path:line count", path from the package folder on)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -84,7 +87,41 @@ def count_syncs(run: Callable[[], torch.Tensor]) -> int:
             run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    sites = collections.Counter(
+        f"{_short_path(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    return sum(sites.values()), [f"{site} {n}" for site, n in sites.most_common(top)]
+
+
+def _short_path(path: str) -> str:
+    """.../site-packages/diffusers/x.py -> diffusers/x.py; the repository's files relative to it."""
+    parts = Path(path).parts
+    for anchor in ("site-packages", "dist-packages"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + 1 :])
+    try:
+        return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return path
+
+
+def profile_run(run: Callable[[], torch.Tensor], device: torch.device, rows: int = 25) -> str:
+    """torch.profiler's table of one run (ops by self device time, or CPU time on a CPU), with the wall time and
+    the busy time of the device: a device busy far less than the wall is waiting on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    busy = sum(getattr(e, sort) for e in events) / 1e6
+    head = f"wall {wall:.3f} s (profiled), {'device' if device.type == 'cuda' else 'CPU'} self time {busy:.3f} s\n"
+    return head + events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
 
 
 def peak_rss_bytes() -> int:
@@ -131,7 +168,9 @@ def measure(b: Bench, case: Case) -> dict:
         result["tflops_per_s"] = result["flops"] / result["median_s"] / 1e12
         if cuda:
             result["mfu"] = result["tflops_per_s"] / cfg.peak_tflops
-            result["host_syncs"] = count_syncs(run)
+            result["host_syncs"], result["sync_sites"] = count_syncs(run)
+        if cfg.profile:
+            result["profile"] = profile_run(run, device)
     except torch.OutOfMemoryError as e:
         result["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
     finally:

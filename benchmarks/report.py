@@ -75,4 +75,9 @@ def markdown_table(results: dict) -> str:
         notes.append(
             "Peak RSS is process-wide and monotone: each row includes everything that ran before it."
         )
-    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    text = "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    sites = [(r["name"], r["sync_sites"]) for r in results["cases"] if r.get("sync_sites")]
+    if sites:
+        text += "\nWhere the host syncs come from (Python line: syncs in one run):\n\n"
+        text += "\n".join(f"- {name}: " + "; ".join(s) for name, s in sites) + "\n"
+    return text
