@@ -4,6 +4,8 @@
 
 writes
     OUT/stable-diffusion/   diffusers layout (unet, vae, text_encoder, tokenizer, scheduler, model_index.json)
+    OUT/tiny-sd3/           Stable Diffusion 3 layout (transformer, 16-channel vae, two CLIP text encoders and
+                            tokenizers, no T5, flow-matching scheduler)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -67,6 +69,23 @@ def _byte_level_vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
+def clip_tokenizer():
+    """A CLIP tokenizer built offline: the byte-level vocab, no merges, 77 tokens (as SD's)."""
+    import tempfile
+
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
+        return CLIPTokenizer(
+            str(Path(d) / "vocab.json"),
+            str(Path(d) / "merges.txt"),
+            model_max_length=77,
+            pad_token="<|endoftext|>",
+        )
+
+
 def toy_latents(n: int, side: int, generator: torch.Generator) -> torch.Tensor:
     """(n, 4, side, side) smooth random fields: N(0, 1) on a c x c grid, c one of side/8, side/4, side/2, side drawn
     per sample, bicubic-upsampled to side x side and scaled to unit std per sample (coarse grids decode to flat
@@ -118,19 +137,10 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
     many steps by `train_toy_denoiser`.
     """
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     out = Path(out)
-    tok_dir = out / "_tokenizer_src"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    (tok_dir / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
-    (tok_dir / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(
-        str(tok_dir / "vocab.json"),
-        str(tok_dir / "merges.txt"),
-        model_max_length=77,
-        pad_token="<|endoftext|>",
-    )
+    tokenizer = clip_tokenizer()
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
@@ -185,10 +195,86 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
         train_toy_denoiser(pipe, denoiser_steps, seed)
     sd_dir = out / ("stable-diffusion-denoiser" if denoiser_steps else "stable-diffusion")
     pipe.save_pretrained(sd_dir, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        f.unlink()
-    tok_dir.rmdir()
     return sd_dir
+
+
+def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-sd3/: a StableDiffusion3Pipeline folder with a tiny random MMDiT (SD3Transformer2DModel), a
+    16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection, no T5 (the
+    pipeline then pads with zeros, as for a real folder loaded with T5 dropped), SD3's flow-matching scheduler
+    (shift 3.0). Native resolution 32 (16 x 16 latents, 8 x 8 patches)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
+        joint_attention_dim=64,  # the two CLIPs' hidden states side by side (32 + 32), zero-padded T5 tokens
+        pooled_projection_dim=64,  # the two CLIPs' pooled projections side by side (32 + 32)
+        pos_embed_max_size=32,
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
+        scaling_factor=1.5305,  # SD3's
+        shift_factor=0.0609,  # SD3's
+        use_quant_conv=False,  # SD3's VAE has none
+        use_post_quant_conv=False,
+    )
+    text_encoders = []
+    for k in range(2):
+        torch.manual_seed(seed + 2 + k)
+        text_encoders.append(
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=32,
+                    intermediate_size=64,
+                    projection_dim=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    max_position_embeddings=77,
+                    bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            )
+        )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoders[0],
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoders[1],
+        tokenizer_2=tokenizer,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    )
+    sd3_dir = Path(out) / "tiny-sd3"
+    pipe.save_pretrained(sd3_dir, safe_serialization=True)
+    return sd3_dir
 
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
@@ -198,6 +284,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_stable_diffusion(out, seed)
+    write_tiny_stable_diffusion_3(out, seed)
     imagereward.write_tiny(out, seed=seed)
     aesthetic.write_tiny(out / "aesthetic", seed=seed)
     if denoiser_steps:
