@@ -45,6 +45,14 @@ def step_sigmas(
     return sigmas[index], sigmas[index + 1], sigmas[1]
 
 
+def flow_pred_x0(
+    scheduler, model_output: torch.Tensor, timestep: float | torch.Tensor, sample: torch.Tensor
+) -> torch.Tensor:
+    """The predicted x0 = x - sigma * v (float32 maths, in the model output's dtype); `timestep` [] or [B]."""
+    sigma = _per_sample(step_sigmas(scheduler, timestep, sample.shape[0])[0], sample)
+    return (sample.float() - sigma * model_output.float()).to(model_output.dtype)
+
+
 def flow_euler_step(
     scheduler, model_output: torch.Tensor, timestep: float | torch.Tensor, sample: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +60,10 @@ def flow_euler_step(
     `FlowMatchEulerDiscreteScheduler.step`) and the predicted x0 = x - sigma * v; stateless, so `timestep` may be
     one per sample. Returns (prev_sample, pred_original_sample)."""
     sigma, sigma_next, _ = step_sigmas(scheduler, timestep, sample.shape[0])
-    sigma, dt = _per_sample(sigma, sample), _per_sample(sigma_next - sigma, sample)
-    x = sample.float()
+    dt = _per_sample(sigma_next - sigma, sample)
     # dt * v in the model output's dtype, then added to the float32 sample: bit-equal to the stock step in bf16 too
-    prev_sample = x + dt.to(model_output.dtype) * model_output
-    return prev_sample.to(model_output.dtype), (x - sigma * model_output.float()).to(model_output.dtype)
+    prev_sample = sample.float() + dt.to(model_output.dtype) * model_output
+    return prev_sample.to(model_output.dtype), flow_pred_x0(scheduler, model_output, timestep, sample)
 
 
 def flow_sde_step_with_logprob(
