@@ -5,7 +5,7 @@
 writes
     OUT/stable-diffusion/   diffusers layout (unet, vae, text_encoder, tokenizer, scheduler, model_index.json)
     OUT/tiny-sd3/           Stable Diffusion 3 layout (transformer, 16-channel vae, two CLIP text encoders and
-                            tokenizers, no T5, flow-matching scheduler)
+                            a T5 with their tokenizers, flow-matching scheduler)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -84,6 +84,26 @@ def clip_tokenizer():
             model_max_length=77,
             pad_token="<|endoftext|>",
         )
+
+
+def t5_tokenizer():
+    """A T5 tokenizer built offline: a unigram model over the printable ASCII characters (with and without the
+    word-start mark), `</s>` appended, pad 0 and eos 1 as T5's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5Tokenizer
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    vocab += [(c, -2.0) for c in chars] + [("\u2581" + c, -1.5) for c in chars]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return T5Tokenizer(
+        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
+    )
 
 
 def toy_latents(n: int, side: int, generator: torch.Generator) -> torch.Tensor:
@@ -200,16 +220,16 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
 
 def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     """OUT/tiny-sd3/: a StableDiffusion3Pipeline folder with a tiny random MMDiT (SD3Transformer2DModel), a
-    16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection, no T5 (the
-    pipeline then pads with zeros, as for a real folder loaded with T5 dropped), SD3's flow-matching scheduler
-    (shift 3.0). Native resolution 32 (16 x 16 latents, 8 x 8 patches)."""
+    16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection and a T5 encoder
+    (each with its tokenizer, built offline), SD3's flow-matching scheduler (shift 3.0). Native resolution 32
+    (16 x 16 latents, 8 x 8 patches)."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = clip_tokenizer()
     torch.manual_seed(seed)
@@ -222,7 +242,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
         attention_head_dim=8,
         num_attention_heads=4,
         caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
-        joint_attention_dim=64,  # the two CLIPs' hidden states side by side (32 + 32), zero-padded T5 tokens
+        joint_attention_dim=64,  # T5's width; the two CLIPs' hidden states side by side (32 + 32) match it
         pooled_projection_dim=64,  # the two CLIPs' pooled projections side by side (32 + 32)
         pos_embed_max_size=32,
     )
@@ -261,6 +281,20 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
                 )
             )
         )
+    torch.manual_seed(seed + 4)
+    t5_tok = t5_tokenizer()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=1,
+            num_heads=4,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    )
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         vae=vae,
@@ -268,8 +302,8 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
         tokenizer=tokenizer,
         text_encoder_2=text_encoders[1],
         tokenizer_2=tokenizer,
-        text_encoder_3=None,
-        tokenizer_3=None,
+        text_encoder_3=t5,
+        tokenizer_3=t5_tok,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
     )
     sd3_dir = Path(out) / "tiny-sd3"

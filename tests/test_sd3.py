@@ -20,11 +20,15 @@ def tiny_sd3(tiny_models):
     return tiny_models / "tiny-sd3"
 
 
-@pytest.fixture(scope="module")
-def stock(tiny_sd3):
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3, text_encoder_3=None, tokenizer_3=None)
+def _stock(path, **kw) -> StableDiffusion3Pipeline:
+    pipe = StableDiffusion3Pipeline.from_pretrained(path, **kw)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_sd3):
+    return _stock(tiny_sd3)  # with its T5
 
 
 def _generators():
@@ -36,9 +40,35 @@ def test_load_family_picks_sd3_from_model_index(tiny_sd3):
     assert (
         isinstance(family, StableDiffusion3) and family_class("StableDiffusion3Pipeline") is StableDiffusion3
     )
-    assert family.pipe.text_encoder_3 is None  # the folder has no T5: loaded with T5 off
+    assert family.pipe.text_encoder_3 is not None
     assert family.native_resolution == RES and family.network.config.in_channels == 16
     assert not any(p.requires_grad for p in family.network.parameters())
+
+
+def _images(family, guidance_scale=5.0, steps=4):
+    with torch.no_grad():
+        cond, uncond = family.encode_prompts(PROMPTS, with_negative=guidance_scale > 1)
+        noise = family.initial_noise(len(PROMPTS), RES, _generators(), cond["prompt_embeds"].dtype)
+        scheduler = family.scheduler(family.schedulers["flow_euler"])
+        out = denoise(family, scheduler, cond, uncond, noise, steps, guidance_scale)
+        return family.decode(out.latents)
+
+
+def test_t5_dropped_or_absent(tiny_sd3, tmp_path):
+    """drop_t5 loads a full folder without T5 (as the stock pipeline with text_encoder_3=None: zero T5 tokens), and a
+    folder saved without T5 loads so by itself."""
+    kw = {"num_inference_steps": 4, "guidance_scale": 5.0, "height": RES, "width": RES, "output_type": "pt"}
+    no_t5 = _stock(tiny_sd3, text_encoder_3=None, tokenizer_3=None)
+    ref = no_t5(PROMPTS, generator=_generators(), **kw).images
+    dropped = load_family(str(tiny_sd3), drop_t5=True)
+    assert dropped.pipe.text_encoder_3 is None and dropped.pipe.tokenizer_3 is None
+    assert (_images(dropped) - ref).abs().max().item() <= 1 / 255
+    no_t5.save_pretrained(tmp_path / "no-t5")
+    absent = load_family(str(tmp_path / "no-t5"))
+    assert absent.pipe.text_encoder_3 is None
+    assert (_images(absent) - ref).abs().max().item() <= 1 / 255
+    with_t5 = _stock(tiny_sd3)(PROMPTS, generator=_generators(), **kw).images
+    assert (with_t5 - ref).abs().max().item() > 1e-3  # T5 really takes part when loaded
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 5.0])
@@ -52,13 +82,7 @@ def test_loop_reproduces_stock_pipeline(tiny_sd3, stock, guidance_scale):
         generator=_generators(),
         output_type="pt",
     ).images
-    family = StableDiffusion3(stock)
-    with torch.no_grad():
-        cond, uncond = family.encode_prompts(PROMPTS, with_negative=guidance_scale > 1)
-        noise = family.initial_noise(len(PROMPTS), RES, _generators(), cond["prompt_embeds"].dtype)
-        scheduler = family.scheduler(family.schedulers["flow_euler"])
-        out = denoise(family, scheduler, cond, uncond, noise, 6, guidance_scale)
-        ours = family.decode(out.latents)
+    ours = _images(StableDiffusion3(stock), guidance_scale, steps=6)
     assert ours.shape == ref.shape == (2, 3, RES, RES)
     assert (ours - ref).abs().max().item() <= 1 / 255
 
@@ -141,8 +165,7 @@ def test_lora_gets_reward_gradient_saves_and_loads_in_stock_pipeline(tiny_sd3, s
 
     save_lora(network, tmp_path / "lora", config={"lora_rank": 4})
     kw = {"num_inference_steps": 4, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3, text_encoder_3=None, tokenizer_3=None)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = _stock(tiny_sd3)
     before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(tmp_path / "lora"))
     after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
