@@ -67,6 +67,11 @@ class StableDiffusion3(ModelFamily):
         shape = (batch_size, self.network.config.in_channels, resolution // f, resolution // f)
         return randn_tensor(shape, generator=generator, device=self.pipe.device, dtype=dtype)
 
+    def rollout_scheduler(self, kind: str):
+        """Flow matching has one sampler: either kind runs the model's own FlowMatchEulerDiscreteScheduler with the
+        deterministic Euler step (the stock pipeline's)."""
+        return self.scheduler(self.schedulers["flow_euler"])
+
     def set_timesteps(self, scheduler, num_inference_steps: int, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline: with `use_dynamic_shifting` the shift `mu` follows the image's token count."""
         kwargs = {}
