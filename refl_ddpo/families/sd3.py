@@ -38,7 +38,8 @@ class StableDiffusion3(ModelFamily):
         "add_v_proj",
         "to_add_out",
     ]
-    schedulers: ClassVar[dict[str, str]] = {"flow_euler": "FlowMatchEulerDiscreteScheduler"}
+    # "euler" is the Euler sampler of each family: here the flow-matching one, the stock pipeline's
+    schedulers: ClassVar[dict[str, str]] = {"euler": "FlowMatchEulerDiscreteScheduler"}
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
@@ -70,7 +71,7 @@ class StableDiffusion3(ModelFamily):
     def rollout_scheduler(self, kind: str):
         """Flow matching has one sampler: either kind runs the model's own FlowMatchEulerDiscreteScheduler with the
         deterministic Euler step (the stock pipeline's)."""
-        return self.scheduler(self.schedulers["flow_euler"])
+        return self.scheduler(self.schedulers["euler"])
 
     def set_timesteps(self, scheduler, num_inference_steps: int, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline: with `use_dynamic_shifting` the shift `mu` follows the image's token count."""
