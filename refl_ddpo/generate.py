@@ -89,10 +89,11 @@ class InferenceConfig(ConfigBase):
     num_images_per_prompt: int = field_(4, "Images generated for each prompt (each with its own seed).")
     num_inference_steps: int = field_(50, "Denoising steps of the sampler.")
     guidance_scale: float = field_(7.5, "Classifier-free guidance scale (1 or less turns CFG off).")
-    scheduler: Literal["ddim", "euler"] = field_(
-        "ddim",
-        "Sampler, built from the model's scheduler config (ddim with eta 0 is deterministic; those the model "
-        "family offers, refl_ddpo.families).",
+    scheduler: Literal["ddim", "euler"] | None = field_(
+        None,
+        "Sampler, built from the model's scheduler config: ddim (SD 1.x/2.x; eta 0 is deterministic) or euler "
+        "(SD 1.x/2.x's Euler, or SD3's flow-matching one); default: the model family's first (ddim for SD 1.x/2.x, "
+        "euler for SD3).",
     )
     eta: float = field_(
         0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed)."
@@ -123,7 +124,7 @@ class InferenceConfig(ConfigBase):
             raise UserError(f"--guidance_scale must be >= 0 (got {self.guidance_scale}); 1 turns CFG off.")
         if self.eta < 0:
             raise UserError(f"--eta must be >= 0 (got {self.eta}); 0 is deterministic DDIM.")
-        if self.eta and self.scheduler != "ddim":
+        if self.eta and self.scheduler not in (None, "ddim"):
             raise UserError(
                 f"--eta {self.eta} needs --scheduler ddim (the {self.scheduler} sampler has no eta)."
             )
@@ -258,10 +259,16 @@ def load_inference_family(cfg: InferenceConfig):
                 "--pretrained_model to use another)."
             ) from None
         raise
+    if cfg.scheduler is None:
+        cfg.scheduler = next(iter(family.schedulers))
     if cfg.scheduler not in family.schedulers:
         raise UserError(
             f"--scheduler {cfg.scheduler} does not fit a {family.name} model; use one of "
             f"{', '.join(family.schedulers)}."
+        )
+    if cfg.eta and cfg.scheduler != "ddim":
+        raise UserError(
+            f"--eta {cfg.eta} needs --scheduler ddim, which a {family.name} model does not offer."
         )
     family.pipe.scheduler = family.scheduler(family.schedulers[cfg.scheduler])
     if cfg.resolution is None:

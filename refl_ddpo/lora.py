@@ -1,7 +1,9 @@
-"""The one LoRA core: add adapters to the UNet (peft), list the trainable params, save/load in diffusers format.
+"""The one LoRA core: add adapters to the denoising network (peft), list the trainable params, save/load in
+diffusers format.
 
-A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names, the LoRA config in its metadata) and
-loads into a stock pipeline with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)`.
+A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names under the pipeline's prefix, `unet.`
+for SD 1.x/2.x and `transformer.` for SD3, the LoRA config in its metadata) and loads into a stock pipeline with
+`StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)` (or `StableDiffusion3Pipeline`).
 Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
 """
 
@@ -21,6 +23,23 @@ FULL_UNET_DIR = "unet"  # full fine-tune: the UNet is saved in diffusers format 
 CONFIG_NAME = "config.json"  # the resolved training config, saved beside the weights
 
 _PEFT_INIT = {"gaussian": "gaussian", "default": True, "random": False}
+
+# network class -> (the pipeline class whose `save_lora_weights` writes its LoRA, the key prefix = pipeline attribute,
+# whether the keys are converted to diffusers' old `lora.down` / `lora.up` names). As diffusers' own training examples
+# write them: train_text_to_image_lora.py converts the UNet's, train_dreambooth_lora_sd3.py keeps peft's `lora_A` /
+# `lora_B` (the SD3 loader reads those; converted names would be partly dropped, as the conversion only knows the
+# attention processors' `to_q` ... and not `add_q_proj` ...).
+_LORA_FORMATS = {
+    "UNet2DConditionModel": ("StableDiffusionPipeline", "unet", True),
+    "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
+}
+
+
+def _lora_format(network) -> tuple[str, str, bool]:
+    name = type(network).__name__
+    if name not in _LORA_FORMATS:
+        raise UserError(f"no LoRA file format known for a {name}; known: {', '.join(_LORA_FORMATS)}.")
+    return _LORA_FORMATS[name]
 
 
 def add_lora(
@@ -58,11 +77,12 @@ def trainable_full_unet(unet) -> list[torch.nn.Parameter]:
 
 
 def lora_state_dict(unet) -> dict[str, torch.Tensor]:
-    """The adapter's tensors with diffusers key names (what `save_lora_weights` expects)."""
+    """The adapter's tensors with the key names this network's `save_lora_weights` expects (see _LORA_FORMATS)."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    return convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    state = get_peft_model_state_dict(unet)
+    return convert_state_dict_to_diffusers(state) if _lora_format(unet)[2] else state
 
 
 def _adapter_metadata(unet) -> dict:
@@ -72,7 +92,7 @@ def _adapter_metadata(unet) -> dict:
 
 def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
     """Write the LoRA (or, without adapters, the full UNet) and the resolved config to `out_dir`."""
-    from diffusers import StableDiffusionPipeline
+    import diffusers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,11 +100,11 @@ def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
         state = {
             k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()
         }
-        StableDiffusionPipeline.save_lora_weights(
+        pipeline_class, prefix, _ = _lora_format(unet)
+        getattr(diffusers, pipeline_class).save_lora_weights(
             out_dir,
-            unet_lora_layers=state,
             safe_serialization=True,
-            unet_lora_adapter_metadata=_adapter_metadata(unet),
+            **{f"{prefix}_lora_layers": state, f"{prefix}_lora_adapter_metadata": _adapter_metadata(unet)},
         )
     else:
         unet.save_pretrained(out_dir / FULL_UNET_DIR, safe_serialization=True)
@@ -100,7 +120,8 @@ def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(Path(lora_dir) / LORA_WEIGHTS_NAME))
-    state = {k.removeprefix("unet."): v for k, v in state.items()}
+    prefix = _lora_format(unet)[1]
+    state = {k.removeprefix(f"{prefix}."): v for k, v in state.items()}
     result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(state))
     if getattr(result, "unexpected_keys", None):
         raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
@@ -134,14 +155,12 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         )
     finally:
         diffusers_logging.set_verbosity(verbosity)
-    _check_all_unet_keys_loaded(pipe.unet, lora_dir)
+    _check_all_unet_keys_loaded(pipe.unet if hasattr(pipe, "unet") else pipe.transformer, lora_dir)
     if scale != 1.0:
         pipe.set_adapters(["default"], adapter_weights=[scale])
 
 
-_FILE_LORA_MATRIX = re.compile(
-    r"^unet\..*\.(lora\.(down|up)|lora_[AB])\.weight$"
-)  # diffusers / peft key names
+_FILE_LORA_MATRIX = r"^{prefix}\..*\.(lora\.(down|up)|lora_[AB])\.weight$"  # diffusers / peft key names
 _UNET_LORA_MATRIX = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
@@ -153,8 +172,9 @@ def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
     """
     from safetensors import safe_open
 
+    file_matrix = re.compile(_FILE_LORA_MATRIX.format(prefix=_lora_format(unet)[1]))
     with safe_open(str(lora_dir / LORA_WEIGHTS_NAME), "pt") as f:
-        in_file = sum(1 for k in f.keys() if _FILE_LORA_MATRIX.match(k))  # noqa: SIM118 (safe_open is no dict)
+        in_file = sum(1 for k in f.keys() if file_matrix.match(k))  # noqa: SIM118 (safe_open is no dict)
     loaded = sum(1 for n, _ in unet.named_parameters() if _UNET_LORA_MATRIX.search(n))
     if in_file and loaded != in_file:
         raise UserError(

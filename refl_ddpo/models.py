@@ -58,33 +58,47 @@ def _load_error(name: str, e: Exception) -> UserError:
     return UserError(f"--pretrained_model {name} could not be loaded ({first}); {hint}.")
 
 
-def pipeline_class_name(name: str) -> str:
-    """model_index.json's `_class_name` of a local folder or hub id (which selects the model family)."""
+def model_index(name: str) -> dict:
+    """model_index.json of a local folder or hub id."""
     check_pretrained_model(name)
     if looks_local(name):
-        index = json.loads((Path(name).expanduser() / "model_index.json").read_text())
-    else:
-        from diffusers import DiffusionPipeline
+        return json.loads((Path(name).expanduser() / "model_index.json").read_text())
+    from diffusers import DiffusionPipeline
 
-        try:
-            index = DiffusionPipeline.load_config(name)
-        except (OSError, ValueError) as e:  # hub id unreachable / unknown
-            raise _load_error(name, e) from None
-    return str(index.get("_class_name", ""))
+    try:
+        return dict(DiffusionPipeline.load_config(name))
+    except (OSError, ValueError) as e:  # hub id unreachable / unknown
+        raise _load_error(name, e) from None
 
 
-def load_pipeline(name: str, dtype=None, device="cpu", pipeline_class: str | None = None):
+def pipeline_class_name(name: str) -> str:
+    """model_index.json's `_class_name` of a local folder or hub id (which selects the model family)."""
+    return str(model_index(name).get("_class_name", ""))
+
+
+def _components_off(name: str, cls_name: str, drop_t5: bool) -> dict:
+    """Components to load as None: SD's safety checker; SD3's T5 when dropped or absent from the folder (diffusers
+    needs them named, and then pads the text tokens with zeros in their place)."""
+    if cls_name == "StableDiffusionPipeline":
+        return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    if cls_name == "StableDiffusion3Pipeline" and (
+        drop_t5 or model_index(name).get("text_encoder_3", [None])[0] is None
+    ):
+        return {"text_encoder_3": None, "tokenizer_3": None}
+    return {}
+
+
+def load_pipeline(
+    name: str, dtype=None, device="cpu", pipeline_class: str | None = None, drop_t5: bool = False
+):
     """The pipeline of `name` (its model_index.json class unless given), no safety checker, every module frozen and
-    in eval mode, in `dtype` (float32 by default) on `device`."""
+    in eval mode, in `dtype` (float32 by default) on `device`. `drop_t5`: an SD3 folder loads without its T5 text
+    encoder (much less memory; a folder without one loads so anyway); other families have none to drop."""
     import diffusers
     import torch
 
     cls = getattr(diffusers, pipeline_class or pipeline_class_name(name))
-    extra = (
-        {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
-        if cls.__name__ == "StableDiffusionPipeline"
-        else {}
-    )
+    extra = _components_off(name, cls.__name__, drop_t5)
     try:
         pipe = cls.from_pretrained(os.path.expanduser(name), dtype=dtype or torch.float32, **extra)
     except (OSError, ValueError) as e:  # hub id unreachable / unknown, or a broken folder

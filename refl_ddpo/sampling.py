@@ -50,14 +50,13 @@ def denoise(
     scheduler's own `step` runs with `eta` / `generator` where it takes them. `network` replaces the family's own
     (a DDP-wrapped copy while training).
     """
-    scheduler.set_timesteps(num_inference_steps, device=noise.device)
-    timesteps = scheduler.timesteps
+    timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
     last = len(timesteps) - 1 if stop_at is None else stop_at
     if not 0 <= last < len(timesteps):
         raise ValueError(f"stop_at={stop_at} outside 0..{len(timesteps) - 1}")
     grad_enabled = torch.is_grad_enabled()
 
-    latents = noise * scheduler.init_noise_sigma
+    latents = noise * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching has none: x_T is the noise
     out = DenoiseOutput(latents=latents, pred_original_sample=latents, timesteps=timesteps[: last + 1])
     if keep_trajectory:
         out.all_latents.append(latents)

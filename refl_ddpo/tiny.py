@@ -4,6 +4,8 @@
 
 writes
     OUT/stable-diffusion/   diffusers layout (unet, vae, text_encoder, tokenizer, scheduler, model_index.json)
+    OUT/tiny-sd3/           Stable Diffusion 3 layout (transformer, 16-channel vae, two CLIP text encoders and
+                            a T5 with their tokenizers, flow-matching scheduler)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -67,6 +69,43 @@ def _byte_level_vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
+def clip_tokenizer():
+    """A CLIP tokenizer built offline: the byte-level vocab, no merges, 77 tokens (as SD's)."""
+    import tempfile
+
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
+        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
+        return CLIPTokenizer(
+            str(Path(d) / "vocab.json"),
+            str(Path(d) / "merges.txt"),
+            model_max_length=77,
+            pad_token="<|endoftext|>",
+        )
+
+
+def t5_tokenizer():
+    """A T5 tokenizer built offline: a unigram model over the printable ASCII characters (with and without the
+    word-start mark), `</s>` appended, pad 0 and eos 1 as T5's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import T5Tokenizer
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    vocab += [(c, -2.0) for c in chars] + [("\u2581" + c, -1.5) for c in chars]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
+    )
+    return T5Tokenizer(
+        tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
+    )
+
+
 def toy_latents(n: int, side: int, generator: torch.Generator) -> torch.Tensor:
     """(n, 4, side, side) smooth random fields: N(0, 1) on a c x c grid, c one of side/8, side/4, side/2, side drawn
     per sample, bicubic-upsampled to side x side and scaled to unit std per sample (coarse grids decode to flat
@@ -118,19 +157,10 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
     many steps by `train_toy_denoiser`.
     """
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     out = Path(out)
-    tok_dir = out / "_tokenizer_src"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    (tok_dir / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
-    (tok_dir / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(
-        str(tok_dir / "vocab.json"),
-        str(tok_dir / "merges.txt"),
-        model_max_length=77,
-        pad_token="<|endoftext|>",
-    )
+    tokenizer = clip_tokenizer()
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(
@@ -185,10 +215,100 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
         train_toy_denoiser(pipe, denoiser_steps, seed)
     sd_dir = out / ("stable-diffusion-denoiser" if denoiser_steps else "stable-diffusion")
     pipe.save_pretrained(sd_dir, safe_serialization=True)
-    for f in tok_dir.iterdir():
-        f.unlink()
-    tok_dir.rmdir()
     return sd_dir
+
+
+def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-sd3/: a StableDiffusion3Pipeline folder with a tiny random MMDiT (SD3Transformer2DModel), a
+    16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection and a T5 encoder
+    (each with its tokenizer, built offline), SD3's flow-matching scheduler (shift 3.0). Native resolution 32
+    (16 x 16 latents, 8 x 8 patches)."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,  # = num_attention_heads * attention_head_dim
+        joint_attention_dim=64,  # T5's width; the two CLIPs' hidden states side by side (32 + 32) match it
+        pooled_projection_dim=64,  # the two CLIPs' pooled projections side by side (32 + 32)
+        pos_embed_max_size=32,
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
+        scaling_factor=1.5305,  # SD3's
+        shift_factor=0.0609,  # SD3's
+        use_quant_conv=False,  # SD3's VAE has none
+        use_post_quant_conv=False,
+    )
+    text_encoders = []
+    for k in range(2):
+        torch.manual_seed(seed + 2 + k)
+        text_encoders.append(
+            CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(tokenizer),
+                    hidden_size=32,
+                    intermediate_size=64,
+                    projection_dim=32,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    max_position_embeddings=77,
+                    bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            )
+        )
+    torch.manual_seed(seed + 4)
+    t5_tok = t5_tokenizer()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=1,
+            num_heads=4,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoders[0],
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoders[1],
+        tokenizer_2=tokenizer,
+        text_encoder_3=t5,
+        tokenizer_3=t5_tok,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    )
+    sd3_dir = Path(out) / "tiny-sd3"
+    pipe.save_pretrained(sd3_dir, safe_serialization=True)
+    return sd3_dir
 
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
@@ -198,6 +318,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_stable_diffusion(out, seed)
+    write_tiny_stable_diffusion_3(out, seed)
     imagereward.write_tiny(out, seed=seed)
     aesthetic.write_tiny(out / "aesthetic", seed=seed)
     if denoiser_steps:

@@ -139,6 +139,7 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
     assert r.returncode == 0, r.stderr
     for name in [
         "stable-diffusion/model_index.json",
+        "tiny-sd3/model_index.json",
         "ImageReward.pt",
         "med_config.json",
         "bert-base-uncased/vocab.txt",

@@ -10,6 +10,7 @@ __all__ = ["Cond", "ModelFamily", "cond_cat", "cond_expand", "family_class", "lo
 # model_index.json _class_name -> (module, class); a static table, so choosing a family imports nothing heavy.
 FAMILIES = {
     "StableDiffusionPipeline": ("refl_ddpo.families.sd", "StableDiffusion"),
+    "StableDiffusion3Pipeline": ("refl_ddpo.families.sd3", "StableDiffusion3"),
 }
 
 
@@ -26,10 +27,11 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_family(name: str, dtype=None, device="cpu") -> ModelFamily:
-    """Load the model at `name` (local folder or hub id), frozen, as its family's adapter."""
+def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> ModelFamily:
+    """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
+    its T5 text encoder)."""
     from refl_ddpo.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
     cls = family_class(pipeline_class)
-    return cls(load_pipeline(name, dtype, device, pipeline_class))
+    return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))

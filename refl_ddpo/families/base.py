@@ -61,6 +61,16 @@ class ModelFamily(ABC):
 
         return getattr(diffusers, kind).from_config(self.pipe.scheduler.config)
 
+    def rollout_scheduler(self, kind: str):
+        """The sampler of a reward-backprop rollout (ReFL's --scheduler): "ddpm" (stochastic, ImageReward's) or
+        "ddim" (eta 0: deterministic), from the model's scheduler config."""
+        return self.scheduler({"ddpm": "DDPMScheduler", "ddim": "DDIMScheduler"}[kind])
+
+    def set_timesteps(self, scheduler, num_inference_steps: int, latents: torch.Tensor) -> torch.Tensor:
+        """`scheduler.set_timesteps` as the stock pipeline calls it for these latents; returns the timesteps."""
+        scheduler.set_timesteps(num_inference_steps, device=latents.device)
+        return scheduler.timesteps
+
     # ---- the data path ----
     @abstractmethod
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:

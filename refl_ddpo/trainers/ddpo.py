@@ -103,7 +103,7 @@ def train_on_samples(
     """
     from refl_ddpo.lora import adapters_off
 
-    scheduler.set_timesteps(num_steps, device=samples["latents"].device)
+    family.set_timesteps(scheduler, num_steps, samples["latents"])
     samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
     n = samples["timesteps"].shape[0]
     cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]

@@ -237,8 +237,14 @@ def train(cfg: ReFLConfig) -> None:
 
     # ---- models ----
     family, params, dtype = load_trainable_family(accelerator, cfg)
-    scheduler = family.scheduler("DDPMScheduler" if cfg.scheduler == "ddpm" else "DDIMScheduler")
-    noise_scheduler = family.scheduler("DDPMScheduler")  # forward process of the pretraining loss
+    scheduler = family.rollout_scheduler(cfg.scheduler)
+    if pretrain_data is not None and family.network_name != "unet":
+        raise UserError(
+            f"--pretrain_loss_weight {cfg.pretrain_loss_weight}: the pretraining loss is written for SD 1.x/2.x "
+            f"(UNet, epsilon/v) models, not {family.name}; set it to 0."
+        )
+    # forward process of the pretraining loss
+    noise_scheduler = family.scheduler("DDPMScheduler") if pretrain_data is not None else None
     if cfg.vae_gradient_checkpointing:
         family.vae.enable_gradient_checkpointing()
     reward = build_refl_reward(cfg, device, dtype)
@@ -287,6 +293,7 @@ def train(cfg: ReFLConfig) -> None:
             cfg,
             {
                 "model family": family.name,
+                "sampler": type(scheduler).__name__,
                 "processes": accelerator.num_processes,
                 "images per optimizer step": f"{batch} per process x {gas} accumulation x {accelerator.num_processes} "
                 f"process(es) = {batch * gas * accelerator.num_processes}",
