@@ -97,8 +97,9 @@ def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:
             results["cases"].append(r)
             what = r.get("error") or f"median {fmt_s(r['median_s'])}"
             print(f"  {case.name:<24} {what}  ({time.perf_counter() - t0:.1f} s)", flush=True)
-    table = markdown_table(results)
-    write_files(out, {"results.json": json.dumps(results, indent=2) + "\n", "results.md": table})
+            # after every case, so that a run stopped by a time limit keeps what it measured
+            table = markdown_table(results)
+            write_files(out, {"results.json": json.dumps(results, indent=2) + "\n", "results.md": table})
     print("\n" + table, flush=True)
     return results
 

@@ -61,16 +61,19 @@ def denoise(
     if keep_trajectory:
         out.all_latents.append(latents)
     x0 = latents
-    for i, t in enumerate(timesteps[: last + 1]):
+    # The network takes the timestep on its device; the steps index the schedule with a copy on the host (one
+    # sync here instead of several per step: a scheduler indexing its CPU tables with a GPU value waits for the GPU).
+    host_timesteps = timesteps.cpu()
+    for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps)):
         with torch.set_grad_enabled(grad_enabled and i in grad_steps):
             model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
             if with_logprob:
                 latents, log_prob, x0 = family.step_with_logprob(
-                    scheduler, model_output, t, latents, eta, generator
+                    scheduler, model_output, t_host, latents, eta, generator
                 )
                 out.log_probs.append(log_prob)
             else:
-                latents, x0 = family.step(scheduler, model_output, t, latents, eta, generator)
+                latents, x0 = family.step(scheduler, model_output, t_host, latents, eta, generator)
         if keep_trajectory:
             out.all_latents.append(latents)
     out.latents, out.pred_original_sample = latents, x0

@@ -23,25 +23,34 @@ from diffusers.utils.torch_utils import randn_tensor
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] or [] -> broadcastable to `like` ([B, C, H, W])."""
-    return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device)
+    """[B] or [] -> broadcastable to `like` ([B, C, H, W]), on its device (an asynchronous copy: no host sync)."""
+    return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device, non_blocking=True)
+
+
+def step_noise(shape, generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' `randn_tensor` (the same numbers for the same generators), copied to `device` asynchronously:
+    CPU generators draw on the CPU, and a blocking copy would stall the host once per step."""
+    gen = generator[0] if isinstance(generator, list) else generator
+    rand_device = gen.device if gen is not None else torch.device(device)
+    noise = randn_tensor(shape, generator=generator, device=rand_device, dtype=dtype)
+    return noise.to(device, non_blocking=True)
 
 
 def step_alphas(
     scheduler, timestep: int | torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(a_t, a_prev, s^2) of the DDIM step from `timestep` ([] or [B]) on the CPU, in `dtype`; see the module doc."""
+    """(a_t, a_prev, s^2) of the DDIM step from `timestep` ([] or [B]) in `dtype`, on the timestep's device (a
+    Python number: the CPU), so that no value travels back to the host; see the module doc."""
     if scheduler.num_inference_steps is None:
         raise ValueError("call scheduler.set_timesteps(...) before stepping")
-    timestep = torch.as_tensor(timestep, device="cpu", dtype=torch.long)
+    device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
+    timestep = torch.as_tensor(timestep, device=device).long()
     prev_timestep = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
-    alphas_cumprod = scheduler.alphas_cumprod.cpu().to(dtype)
+    alphas_cumprod = scheduler.alphas_cumprod.to(device, dtype, non_blocking=True)
     a_t = alphas_cumprod[timestep]
     a_prev = torch.where(
-        prev_timestep >= 0,
-        alphas_cumprod[prev_timestep.clamp(min=0)],
-        torch.tensor(float(scheduler.final_alpha_cumprod), dtype=dtype),
-    )
+        prev_timestep >= 0, alphas_cumprod[prev_timestep.clamp(min=0)], float(scheduler.final_alpha_cumprod)
+    ).to(dtype)
     return a_t, a_prev, (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
 
 
@@ -73,9 +82,7 @@ def ddim_step_with_logprob_and_x0(
     prev_sample_mean = alpha_prod_t_prev**0.5 * pred_original_sample + direction
 
     if prev_sample is None:
-        noise = randn_tensor(
-            model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype
-        )
+        noise = step_noise(model_output.shape, generator, model_output.device, model_output.dtype)
         prev_sample = prev_sample_mean + std_dev_t * noise
 
     # Gaussian log-density of the (detached) next sample; gradient flows through the mean (and std).
@@ -122,10 +129,10 @@ def ddim_step_kl(
         raise ValueError(
             "ddim_step_kl assumes clip_sample=False (the means are then affine in the noise prediction)"
         )
-    t = torch.as_tensor(timesteps, device="cpu", dtype=torch.long).reshape(-1)
+    t = torch.as_tensor(timesteps).reshape(-1)
     a_t, a_prev, s2 = step_alphas(scheduler, t, torch.float64)
     var = eta**2 * s2
     k = (1 - a_prev - var).sqrt() - (a_prev * (1 - a_t) / a_t).sqrt()
-    coef = (k**2 / (2 * var)).to(model_output.device, torch.float32)  # (B,)
+    coef = (k**2 / (2 * var)).to(model_output.device, torch.float32, non_blocking=True)  # (B,)
     sq = ((model_output.float() - ref_model_output.float()) ** 2).mean(dim=tuple(range(1, model_output.ndim)))
     return coef * sq

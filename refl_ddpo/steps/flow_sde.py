@@ -22,26 +22,28 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
+
+from refl_ddpo.steps.ddim import step_noise
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """(B,) -> (B, 1, 1, ...) broadcastable to `like`, on its device."""
-    return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device)
+    """(B,) -> (B, 1, 1, ...) broadcastable to `like`, on its device (an asynchronous copy: no host sync)."""
+    return values.reshape(values.shape + (1,) * (like.ndim - values.ndim)).to(like.device, non_blocking=True)
 
 
 def step_sigmas(
     scheduler, timestep: float | torch.Tensor, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sigma, sigma_next, sigma_max) of the steps from `timestep` ([] or [B], values of `scheduler.timesteps`),
-    float32 on the CPU, sigma and sigma_next of shape (B,); sigma_max = sigmas[1] stands in for 1 in 1 - sigma."""
+    float32, sigma and sigma_next of shape (B,); sigma_max = sigmas[1] stands in for 1 in 1 - sigma. Computed where
+    the scheduler's sigmas are (a timestep from elsewhere is copied there asynchronously): no host sync."""
     if scheduler.num_inference_steps is None:
         raise ValueError("call scheduler.set_timesteps(...) before stepping")
-    schedule = scheduler.timesteps.detach().cpu().float()
-    t = torch.as_tensor(timestep).detach().cpu().float().reshape(-1)
+    sigmas = scheduler.sigmas.detach().float()
+    schedule = scheduler.timesteps.detach().to(sigmas.device, torch.float32, non_blocking=True)
+    t = torch.as_tensor(timestep).detach().to(sigmas.device, torch.float32, non_blocking=True).reshape(-1)
     # the index of each timestep in the schedule (nearest, so a timestep stored in another dtype still finds its step)
     index = (schedule[None, :] - t[:, None]).abs().argmin(dim=1).expand(batch_size)
-    sigmas = scheduler.sigmas.detach().cpu().float()
     return sigmas[index], sigmas[index + 1], sigmas[1]
 
 
@@ -92,7 +94,7 @@ def flow_sde_step_with_logprob(
     prev_sample_mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     noise_std = std * torch.sqrt(-dt)  # the std of the step's Gaussian
     if prev_sample is None:
-        noise = randn_tensor(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+        noise = step_noise(x.shape, generator, x.device, torch.float32)
         prev_sample = prev_sample_mean + noise_std * noise
     prev_sample = prev_sample.float()
 
@@ -103,7 +105,7 @@ def flow_sde_step_with_logprob(
         - 0.5 * math.log(2 * math.pi)
     )
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # (B,)
-    return prev_sample, log_prob, prev_sample_mean, std_dev_t.to(x.device)
+    return prev_sample, log_prob, prev_sample_mean, std_dev_t.to(x.device, non_blocking=True)
 
 
 def flow_sde_step_kl(
