@@ -50,7 +50,9 @@ def denoise(
     scheduler's own `step` runs with `eta` / `generator` where it takes them. `network` replaces the family's own
     (a DDP-wrapped copy while training).
     """
-    timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
+    # The steps index the schedule with host timesteps, the network takes them on its device (one copy here).
+    host_timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
+    timesteps = host_timesteps.to(noise.device)
     last = len(timesteps) - 1 if stop_at is None else stop_at
     if not 0 <= last < len(timesteps):
         raise ValueError(f"stop_at={stop_at} outside 0..{len(timesteps) - 1}")
@@ -61,9 +63,6 @@ def denoise(
     if keep_trajectory:
         out.all_latents.append(latents)
     x0 = latents
-    # The network takes the timestep on its device; the steps index the schedule with a copy on the host (one
-    # sync here instead of several per step: a scheduler indexing its CPU tables with a GPU value waits for the GPU).
-    host_timesteps = timesteps.cpu()
     for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps)):
         with torch.set_grad_enabled(grad_enabled and i in grad_steps):
             model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)

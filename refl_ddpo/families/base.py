@@ -67,8 +67,11 @@ class ModelFamily(ABC):
         return self.scheduler({"ddpm": "DDPMScheduler", "ddim": "DDIMScheduler"}[kind])
 
     def set_timesteps(self, scheduler, num_inference_steps: int, latents: torch.Tensor) -> torch.Tensor:
-        """`scheduler.set_timesteps` as the stock pipeline calls it for these latents; returns the timesteps."""
-        scheduler.set_timesteps(num_inference_steps, device=latents.device)
+        """`scheduler.set_timesteps` as the stock pipeline calls it for these latents; returns the timesteps.
+
+        The scheduler's state stays on the host (the pipeline puts it on the GPU): its `step` indexes its tables with
+        the timestep, and with a GPU timestep every such index waits for the GPU to catch up."""
+        scheduler.set_timesteps(num_inference_steps, device="cpu")
         return scheduler.timesteps
 
     # ---- the data path ----

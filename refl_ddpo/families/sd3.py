@@ -89,7 +89,9 @@ class StableDiffusion3(ModelFamily):
                 c.get("base_shift", 0.5),
                 c.get("max_shift", 1.16),
             )
-        scheduler.set_timesteps(num_inference_steps, device=latents.device, **kwargs)
+        scheduler.set_timesteps(
+            num_inference_steps, device="cpu", **kwargs
+        )  # on the host: see the base class
         return scheduler.timesteps
 
     def predict(

@@ -35,13 +35,15 @@ def step_sigmas(
     scheduler, timestep: float | torch.Tensor, batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sigma, sigma_next, sigma_max) of the steps from `timestep` ([] or [B], values of `scheduler.timesteps`),
-    float32, sigma and sigma_next of shape (B,); sigma_max = sigmas[1] stands in for 1 in 1 - sigma. Computed where
-    the scheduler's sigmas are (a timestep from elsewhere is copied there asynchronously): no host sync."""
+    float32, sigma and sigma_next of shape (B,); sigma_max = sigmas[1] stands in for 1 in 1 - sigma. Computed on
+    the timestep's device (a Python number: the schedule's), the schedule copied there asynchronously: nothing
+    travels back to the host."""
     if scheduler.num_inference_steps is None:
         raise ValueError("call scheduler.set_timesteps(...) before stepping")
-    sigmas = scheduler.sigmas.detach().float()
-    schedule = scheduler.timesteps.detach().to(sigmas.device, torch.float32, non_blocking=True)
-    t = torch.as_tensor(timestep).detach().to(sigmas.device, torch.float32, non_blocking=True).reshape(-1)
+    device = timestep.device if isinstance(timestep, torch.Tensor) else scheduler.sigmas.device
+    sigmas = scheduler.sigmas.detach().to(device, torch.float32, non_blocking=True)
+    schedule = scheduler.timesteps.detach().to(device, torch.float32, non_blocking=True)
+    t = torch.as_tensor(timestep, device=device).detach().float().reshape(-1)
     # the index of each timestep in the schedule (nearest, so a timestep stored in another dtype still finds its step)
     index = (schedule[None, :] - t[:, None]).abs().argmin(dim=1).expand(batch_size)
     return sigmas[index], sigmas[index + 1], sigmas[1]
