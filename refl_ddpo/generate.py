@@ -114,6 +114,7 @@ class InferenceConfig(ConfigBase):
 
     def check(self) -> None:
         """Resolve the automatic defaults (device, dtype) and check the fields, before any model is loaded."""
+        super().check()  # every number finite
         self.check_positive("num_images_per_prompt", "num_inference_steps", "batch_size")
         if self.resolution is not None:
             self.check_positive("resolution")
@@ -158,6 +159,7 @@ class LoraInferenceConfig(InferenceConfig):
 
     def check(self) -> None:
         """Check lora_dir, fill pretrained_model / resolution from its config.json, then the common checks."""
+        self.check_numbers()
         lora_dir = Path(self.lora_dir).expanduser()
         if not lora_dir.is_dir():
             raise UserError(

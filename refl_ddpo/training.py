@@ -143,6 +143,11 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
         ),
         cpu=cfg.device == "cpu",
     )
+    if cfg.device is not None and accelerator.device.type != cfg.device:  # honoured, or said so
+        raise UserError(
+            f"--device {cfg.device}: accelerate placed this process on {accelerator.device} (your accelerate "
+            "config?); run `accelerate config` again or leave --device out."
+        )
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

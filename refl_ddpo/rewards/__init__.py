@@ -15,6 +15,7 @@ The table names each factory by module, so that checking a `--reward` flag impor
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,11 +66,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                 "(weighted sums as name:weight,name:weight)."
             )
         try:
-            out.append((name, float(weight) if weight else 1.0))
+            value = float(weight) if weight else 1.0
         except ValueError:
+            value = None
+        if value is None or not math.isfinite(value):
             raise UserError(
-                f"--reward: weight '{weight}' of '{name}' is not a number (write name:0.5)."
-            ) from None
+                f"--reward: weight '{weight}' of '{name}' is not a finite number (write name:0.5)."
+            )
+        out.append((name, value))
     if not out:
         raise UserError("--reward is empty: name a reward, e.g. --reward jpeg_compressibility.")
     return out

@@ -68,7 +68,9 @@ class DDPOConfig(CommonConfig):
         "fine detail; skipping them focuses the update on the steps that decide the image's content.",
     )
     train_clip_range: float = field_(
-        1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF)."
+        1e-4,
+        "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF).",
+        allow_inf=True,
     )
     train_adv_clip_max: float = field_(5.0, "Advantages are clipped to [-this, this].")
     train_cfg: bool = field_(
@@ -129,6 +131,7 @@ class DDPOConfig(CommonConfig):
             self.prompt_fn = "from_file" if self.prompts_file else "imagenet_animals"
 
     def check(self) -> None:
+        self.check_numbers()  # first: NaN != NaN would read as an alias disagreeing with its field
         for alias, name in self.ALIASES.items():  # parse_config resolved them; built directly, fill them here
             if getattr(self, alias) is None:
                 setattr(self, alias, getattr(self, name))
