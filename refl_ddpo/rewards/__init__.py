@@ -120,6 +120,13 @@ def build_reward(
     return Reward(spec, weighted, differentiable)
 
 
+def count_nonfinite(rewards: torch.Tensor) -> int:
+    """How many of the rewards (N,) are NaN or inf (a reward that broke: the trainers and inference stop on them)."""
+    import torch
+
+    return int((~torch.isfinite(rewards.detach())).sum())
+
+
 def reward_stats(
     spec: str, rewards: torch.Tensor, parts: dict[str, torch.Tensor] | None = None
 ) -> dict[str, float]:

@@ -90,8 +90,15 @@ class DDPOConfig(CommonConfig):
     per_prompt_stat_tracking_min_count: int = field_(
         16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
     )
+    nonfinite_rewards: Literal["error", "drop"] = field_(
+        "error",
+        "A NaN or inf reward stops the run (error, before that epoch's update); drop trains on the epoch's other "
+        "samples instead (a dropped sample gets advantage 0 and stays out of the reward statistics; the count is "
+        "logged as ddpo/nonfinite_rewards_dropped). All of an epoch's rewards non-finite always stops.",
+        group="rewards",
+    )
     async_reward_computation: bool = field_(
-        False, "Compute rewards in a thread pool while sampling continues.", group="rewards"
+        False, "Compute rewards in a thread pool while sampling continues."
     )
     max_workers: int = field_(2, "Threads of the reward pool (with --async_reward_computation).")
     num_epochs: int = field_(
