@@ -341,6 +341,12 @@ class ImageRewardScorer:
             idx = [k for k, p in enumerate(prompts) if p == prompt]
             for k, s in zip(idx, self.model.score(prompt, [images[k] for k in idx])):
                 scores[k] = float(s)
+        bad = [k for k, s in enumerate(scores) if not math.isfinite(s)]
+        if bad:
+            raise UserError(
+                f"ImageReward gave {len(bad)} non-finite score(s) (NaN or inf) of {len(scores)} images (e.g. for "
+                f"'{prompts[bad[0]]}'); check its files in --reward_model_dir."
+            )
         return scores
 
 
@@ -421,6 +427,12 @@ def run_inference(cfg: InferenceConfig) -> dict:
                 cfg.guidance_scale,
                 cfg.eta,
             )
+            bad = int((~torch.isfinite(images)).flatten(1).any(1).sum())
+            if bad:  # NaN pixels would be written as black and scored
+                raise UserError(
+                    f"the model gave {bad} of {len(batch)} images with NaN or inf pixels (e.g. "
+                    f"'{batch[0].prompt}'); check --pretrained_model, --lora_dir and --dtype (fp16 can overflow)."
+                )
             pixels = to_uint8(images)  # (B, H, W, 3)
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
             scores = scorer([s.prompt for s in batch], pil_images)
