@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
-from refl_ddpo.errors import UserError, cli_main
+from refl_ddpo.errors import UserError, cli_main, read_utf8
 from refl_ddpo.generate import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, fmt_score
 from refl_ddpo.images import caption_grid, write_json_atomic
 
@@ -28,12 +29,33 @@ def load_run(run_dir: str | Path) -> dict:
             f"--output_dir {run_dir} first."
         )
     try:
-        run = json.loads(path.read_text())
+        run = json.loads(read_utf8(path, str(path)))
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); run inference again.") from None
     if not isinstance(run, dict) or not isinstance(run.get("records"), list):
         raise UserError(f"{path} has no 'records' list: it was not written by inference/inference.py.")
+    for i, record in enumerate(run["records"]):
+        check_record(record, f"{path} record {i}")
     return run
+
+
+def check_record(record, where: str) -> None:
+    """A scores.json record as inference writes it: prompt, seed, file, and a finite score or null."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where} is not an object; run inference again.")
+    for key, kind in (("prompt", str), ("seed", int), ("file", str)):
+        if not isinstance(record.get(key), kind) or isinstance(record.get(key), bool):
+            raise UserError(
+                f"{where} has no {kind.__name__} '{key}' (got {record.get(key)!r}); run inference again."
+            )
+    score = record.get(SCORE_KEY)
+    if score is not None and (
+        isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)
+    ):
+        raise UserError(
+            f"{where} ('{record['prompt']}', seed {record['seed']}) has {SCORE_KEY} {score!r}, not a finite "
+            "number or null; run inference again."
+        )
 
 
 def paired_bootstrap_ci(

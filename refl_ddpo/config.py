@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shlex
 import types
@@ -29,7 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.errors import UserError, read_utf8
 
 DEFAULTS_ENV = "REFL_DDPO_DEFAULTS"  # a script's defaults, as flags (a layer below --config)
 PROG_ENV = "REFL_DDPO_PROG"  # how the user called the program, for --help and usage lines
@@ -37,7 +38,10 @@ PROG_ENV = "REFL_DDPO_PROG"  # how the user called the program, for --help and u
 
 def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, ...] = (), **kw) -> Any:
     """A dataclass field with a help sentence; `group` starts a --help section that the fields after it share
-    (until the next group); `flags` are extra option strings (aliases). Mutable defaults are copied per instance."""
+    (until the next group); `flags` are extra option strings (aliases). Mutable defaults are copied per instance.
+
+    Numbers: `gt` / `ge` / `lt` / `le` bound the value (checked by `ConfigBase.check_numbers`); a float must be
+    finite unless `allow_inf=True` (NaN never passes)."""
     metadata = {"help": help, "group": group, "flags": tuple(flags), **kw}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=metadata)
@@ -61,13 +65,50 @@ class ConfigBase:
         return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
 
     def check_positive(self, *names: str) -> None:
-        """A one-line UserError naming the first of these fields that is not > 0."""
+        """A one-line UserError naming the first of these fields that is not > 0 (NaN is not)."""
         for name in names:
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:
                 raise UserError(f"--{name} must be > 0 (got {getattr(self, name)}).")
 
+    def check_numbers(self) -> None:
+        """Every number field is finite (a float may be inf only with `allow_inf`; NaN never) and within the bounds
+        of its metadata (`gt`, `ge`, `lt`, `le`): one line naming the flag, the range and the default. Aliases are
+        skipped: their field is checked."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.ALIASES:  # the field it stands for is checked (and named)
+                continue
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            m = f.metadata
+            lower = ("(", m["gt"]) if "gt" in m else ("[", m["ge"]) if "ge" in m else None
+            upper = (")", m["lt"]) if "lt" in m else ("]", m["le"]) if "le" in m else None
+            ok = not math.isnan(value) and (m.get("allow_inf") or not math.isinf(value))
+            if lower is not None:
+                ok = ok and (value > lower[1] if lower[0] == "(" else value >= lower[1])
+            if upper is not None:
+                ok = ok and (value < upper[1] if upper[0] == ")" else value <= upper[1])
+            if ok:
+                continue
+            if lower and upper:
+                want = f"a number in {lower[0]}{lower[1]}, {upper[1]}{upper[0]}"
+            elif lower or upper:
+                op, bound = lower or upper
+                want = f"a number {dict(zip('([)]', ('>', '>=', '<', '<=')))[op]} {bound}"
+            else:
+                want = "a finite number"
+            if m.get("allow_inf"):
+                want += " (or inf)"
+            default = f.default if f.default is not dataclasses.MISSING else None
+            hint = f"; the default is {default}" if default is not None else ""
+            flag = " / ".join(
+                f"--{n}" for n in [f.name, *(a for a, n in self.ALIASES.items() if n == f.name)]
+            )
+            raise UserError(f"{flag} must be {want} (got {value}){hint}.")
+
     def check(self) -> None:
-        """Cross-field checks; subclasses extend and call super().check()."""
+        """Field and cross-field checks; subclasses extend and call super().check()."""
+        self.check_numbers()
 
 
 def accelerate_mixed_precision() -> str:
@@ -126,13 +167,15 @@ class CommonConfig(ConfigBase):
     guidance_scale: float = field_(
         7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off)."
     )
-    learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation")
-    adam_beta1: float = field_(0.9, "AdamW beta1.")
-    adam_beta2: float = field_(0.999, "AdamW beta2.")
-    adam_weight_decay: float = field_(1e-2, "AdamW weight decay.")
-    adam_epsilon: float = field_(1e-8, "AdamW epsilon.")
+    learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation", gt=0)
+    adam_beta1: float = field_(0.9, "AdamW beta1.", ge=0, lt=1)
+    adam_beta2: float = field_(0.999, "AdamW beta2.", ge=0, lt=1)
+    adam_weight_decay: float = field_(1e-2, "AdamW weight decay.", ge=0)
+    adam_epsilon: float = field_(1e-8, "AdamW epsilon.", ge=0)
     use_8bit_adam: bool = field_(False, "Use bitsandbytes' 8-bit AdamW (must be installed).")
-    max_grad_norm: float = field_(1.0, "Clip the gradient norm of the trained parameters to this (0 = off).")
+    max_grad_norm: float = field_(
+        1.0, "Clip the gradient norm of the trained parameters to this (0 = off).", ge=0
+    )
     train_batch_size: int = field_(1, "Images per optimizer micro-batch, per GPU.")
     gradient_accumulation_steps: int = field_(1, "Micro-batches accumulated into one optimizer step.")
     mixed_precision: Literal["no", "fp16", "bf16"] | None = field_(
@@ -145,7 +188,7 @@ class CommonConfig(ConfigBase):
         True, "Train LoRA adapters on the network; --no-use_lora fine-tunes all of it.", group="LoRA"
     )
     lora_rank: int = field_(4, "LoRA rank r.")
-    lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.")
+    lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.", gt=0)
     lora_target_modules: list[str] = field_(
         ["to_q", "to_k", "to_v", "to_out.0"], "Module names of the network that get LoRA adapters."
     )
@@ -162,11 +205,15 @@ class CommonConfig(ConfigBase):
     )
     checkpoints_total_limit: int | None = field_(None, "Keep at most this many checkpoint-N folders.")
     resume_from_checkpoint: str | None = field_(None, "'latest' or a checkpoint-N path to resume from.")
-    device: str | None = field_(None, "Force a device (e.g. cpu); default: what accelerate picks.")
+    device: str | None = field_(
+        None,
+        "cpu or cuda (each process on its own GPU; refused without one); default: what accelerate picks.",
+    )
     logging_dir: str = field_("logs", "TensorBoard folder, relative to output_dir.")
     report_to: Literal["tensorboard", "none"] = field_("tensorboard", "Where scalars and images are logged.")
 
     def check(self) -> None:
+        super().check()
         if self.mixed_precision is None:
             self.mixed_precision = accelerate_mixed_precision()
         self.check_positive(
@@ -182,10 +229,27 @@ class CommonConfig(ConfigBase):
             raise UserError("--checkpointing_steps must be >= 0 (0 turns periodic checkpoints off).")
         if not self.lora_target_modules:
             raise UserError("--lora_target_modules is empty: name at least one module (e.g. to_q to_k).")
+        check_train_device(self.device)
 
     @property
     def resolved_lora_alpha(self) -> float:
         return float(self.lora_rank if self.lora_alpha is None else self.lora_alpha)
+
+
+def check_train_device(device: str | None) -> None:
+    """The trainers run where accelerate puts each process: --device cpu forces the CPU, --device cuda needs a visible
+    GPU (each process gets its own); anything else is refused rather than ignored."""
+    if device is None or device == "cpu":
+        return
+    if device != "cuda":
+        raise UserError(
+            f"--device {device}: the trainers take cpu or cuda (each process on its own GPU); choose GPUs with "
+            "GPUS=... in train_scripts/ or CUDA_VISIBLE_DEVICES."
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible; use --device cpu (or leave --device out).")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,23 +316,81 @@ def build_parser(
     return parser
 
 
-def _load_config_file(path: str, names: set[str]) -> dict:
+def _load_config_file(path: str, cls: type) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--config {path}: no such file.")
     import yaml
 
+    text = read_utf8(p, f"--config {path}")
     try:
-        text = p.read_text()
         data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:  # parse errors carry a line number
         raise UserError(f"--config {path} is not valid {p.suffix.lstrip('.') or 'json'}: {e}".splitlines()[0])
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must hold a mapping of field: value.")
-    unknown = sorted(set(data) - names)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(map(str, data)) - names)
     if unknown:
         raise UserError(f"--config {path}: unknown field(s) {', '.join(unknown)}; see --help for names.")
-    return data
+    hints = typing.get_type_hints(cls)
+    return {name: _file_value(hints[name], value, f"--config {path}: {name}") for name, value in data.items()}
+
+
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+
+
+def _file_value(tp, value, where: str):
+    """A --config value as its field's type, read as strictly as the flag would be: null only where the field may
+    be None; booleans are YAML/JSON booleans, 0 / 1 or the strings true / false / 1 / 0 (not yes / no / on: a YAML
+    file's unquoted yes / no are YAML 1.1 booleans already); numbers may be written as strings ('1e-4', which
+    PyYAML reads as a string)."""
+    tp, optional = _unwrap_optional(tp)
+    origin = typing.get_origin(tp)
+    if value is None:
+        if optional:
+            return None
+        raise UserError(f"{where} is null; give {_describe(tp)}, or leave the key out for the default.")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+        if text in _TRUE + _FALSE:
+            return text in _TRUE
+    elif origin is Literal:
+        if not isinstance(value, bool) and value in typing.get_args(tp):
+            return value
+    elif origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, list) and all(isinstance(v, inner) and not isinstance(v, bool) for v in value):
+            return list(value)
+    elif tp in (int, float):
+        if isinstance(value, tp if tp is int else (int, float)) and not isinstance(value, bool):
+            return tp(value)
+        if isinstance(value, str):
+            try:
+                return tp(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    raise UserError(f"{where} is {value!r} ({type(value).__name__}); give {_describe(tp)}.")
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return "true or false"
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if origin is list:
+        return f"a list of {typing.get_args(tp)[0].__name__} values, e.g. [a, b]"
+    return {int: "a whole number", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", "a value")
+    )
 
 
 def _resolve_aliases(cls: type, layer: dict, where: str) -> dict:
@@ -288,7 +410,6 @@ def _resolve_aliases(cls: type, layer: dict, where: str) -> dict:
 
 def parse_layers(cls: type, argv: list[str] | None = None, description: str | None = None) -> dict:
     """The field values from every layer (see the module doc), merged, before the dataclass is built."""
-    names = {f.name for f in fields(cls)}
     explicit = build_parser(cls, description, suppress_defaults=True)
     build_parser(cls, description).parse_args(argv)  # --help, and argparse's own errors with defaults shown
     flags = vars(explicit.parse_args(argv))
@@ -296,7 +417,7 @@ def parse_layers(cls: type, argv: list[str] | None = None, description: str | No
     script = vars(explicit.parse_args(shlex.split(os.environ.get(DEFAULTS_ENV, ""))))
     script.pop("config", None)
     layers = [(_resolve_aliases(cls, script, " in the script's defaults"), "script")]
-    file_layer = _load_config_file(config_path, names) if config_path else {}
+    file_layer = _load_config_file(config_path, cls) if config_path else {}
     flags_layer = _resolve_aliases(cls, flags, "")
     file_layer = _resolve_aliases(cls, file_layer, f" in --config {config_path}")
     preset = flags_layer.get("preset", file_layer.get("preset", layers[0][0].get("preset")))

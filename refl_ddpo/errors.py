@@ -30,3 +30,19 @@ def cli_main(fn: Callable[..., T]) -> Callable[..., T]:
             sys.exit(e.exit_code)
 
     return wrapper
+
+
+def read_utf8(path, what: str) -> str:
+    """The text of `path`, or a one-line UserError naming `what` (e.g. '--prompts_file x.txt'), the line and the byte
+    offset of the first byte that is not UTF-8."""
+    from pathlib import Path
+
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{what} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} (line {line}); "
+            "save the file as UTF-8."
+        ) from None

@@ -115,6 +115,7 @@ class InferenceConfig(ConfigBase):
 
     def check(self) -> None:
         """Resolve the automatic defaults (device, dtype) and check the fields, before any model is loaded."""
+        super().check()  # every number finite
         self.check_positive("num_images_per_prompt", "num_inference_steps", "batch_size")
         if self.resolution is not None:
             self.check_positive("resolution")
@@ -159,6 +160,7 @@ class LoraInferenceConfig(InferenceConfig):
 
     def check(self) -> None:
         """Check lora_dir, fill pretrained_model / resolution from its config.json, then the common checks."""
+        self.check_numbers()
         lora_dir = Path(self.lora_dir).expanduser()
         if not lora_dir.is_dir():
             raise UserError(
@@ -346,6 +348,12 @@ class ImageRewardScorer:
             idx = [k for k, p in enumerate(prompts) if p == prompt]
             for k, s in zip(idx, self.model.score(prompt, [images[k] for k in idx])):
                 scores[k] = float(s)
+        bad = [k for k, s in enumerate(scores) if not math.isfinite(s)]
+        if bad:
+            raise UserError(
+                f"ImageReward gave {len(bad)} non-finite score(s) (NaN or inf) of {len(scores)} images (e.g. for "
+                f"'{prompts[bad[0]]}'); check its files in --reward_model_dir."
+            )
         return scores
 
 
@@ -426,6 +434,12 @@ def run_inference(cfg: InferenceConfig) -> dict:
                 cfg.guidance_scale,
                 cfg.eta,
             )
+            bad = int((~torch.isfinite(images)).flatten(1).any(1).sum())
+            if bad:  # NaN pixels would be written as black and scored
+                raise UserError(
+                    f"the model gave {bad} of {len(batch)} images with NaN or inf pixels (e.g. "
+                    f"'{batch[0].prompt}'); check --pretrained_model, --lora_dir and --dtype (fp16 can overflow)."
+                )
             pixels = to_uint8(images)  # (B, H, W, 3)
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
             scores = scorer([s.prompt for s in batch], pil_images)

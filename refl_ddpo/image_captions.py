@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.errors import UserError, read_utf8
 
 
 class PretrainData:
@@ -27,7 +27,7 @@ class PretrainData:
                 '(one {"file_name": ..., "text": ...} per line).'
             )
         self.items: list[tuple[Path, str]] = []
-        for n, line in enumerate(meta.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_utf8(meta, f"--pretrain_data_dir {meta}").splitlines(), 1):
             if not line.strip():
                 continue
             try:

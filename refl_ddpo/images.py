@@ -40,5 +40,5 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write to a temporary file beside `path` and rename it over `path` (no half-written JSON)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")  # NaN is not JSON: never write it
     os.replace(tmp, path)

@@ -135,6 +135,7 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
 
         unet = UNet2DConditionModel.from_pretrained(lora_dir / FULL_UNET_DIR, torch_dtype=pipe.unet.dtype)
         pipe.unet = unet.to(pipe.device).requires_grad_(False).eval()
+        _check_finite(pipe.unet, lora_dir, lambda name: True)
         return
     if not (lora_dir / LORA_WEIGHTS_NAME).is_file():
         raise UserError(
@@ -155,9 +156,21 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         )
     finally:
         diffusers_logging.set_verbosity(verbosity)
-    _check_all_unet_keys_loaded(pipe.unet if hasattr(pipe, "unet") else pipe.transformer, lora_dir)
+    network = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    _check_all_unet_keys_loaded(network, lora_dir)
+    _check_finite(network, lora_dir, lambda name: "lora_" in name)
     if scale != 1.0:
         pipe.set_adapters(["default"], adapter_weights=[scale])
+
+
+def _check_finite(unet, lora_dir: Path, trained) -> None:
+    """Weights with NaN or inf (a run that diverged) would give NaN images: refuse them in one line."""
+    bad = [n for n, p in unet.named_parameters() if trained(n) and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise UserError(
+            f"--lora_dir {lora_dir}: {len(bad)} trained tensor(s) hold NaN or inf (e.g. {bad[0]}); the run that "
+            "wrote them diverged: use an earlier checkpoint-N or train again with a lower --learning_rate."
+        )
 
 
 _FILE_LORA_MATRIX = r"^{prefix}\..*\.(lora\.(down|up)|lora_[AB])\.weight$"  # diffusers / peft key names

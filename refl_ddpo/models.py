@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.errors import UserError, read_utf8
 
 DTYPES = {
     "no": "float32",
@@ -50,6 +50,35 @@ def check_pretrained_model(name: str) -> None:
         if not (path / "model_index.json").is_file():
             what = "has no model_index.json" if path.is_dir() else "does not exist"
             raise UserError(f"--pretrained_model {name} {what}: {WHERE_WEIGHTS_GO}.")
+        missing = [part for part in _components(path) if not (path / part).is_dir()]
+        if missing:
+            raise UserError(
+                f"--pretrained_model {name} lacks {', '.join(p + '/' for p in missing)} (model_index.json lists "
+                f"{'it' if len(missing) == 1 else 'them'}): copy the whole diffusers folder there."
+            )
+
+
+# Loaded without their folder (load_pipeline passes None for them).
+OPTIONAL_COMPONENTS = ("safety_checker", "feature_extractor", "image_encoder")
+
+
+def _components(path: Path) -> list[str]:
+    """The sub-folders model_index.json names (entries [library, class]; [null, null] and optional ones skipped)."""
+    try:
+        index = json.loads(read_utf8(path / "model_index.json", str(path / "model_index.json")))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path / 'model_index.json'} is not valid JSON ({e}).") from None
+    if not isinstance(index, dict):
+        raise UserError(f"{path / 'model_index.json'} must hold a JSON object.")
+    return [
+        key
+        for key, value in index.items()
+        if not key.startswith("_")
+        and key not in OPTIONAL_COMPONENTS
+        and isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, str) for v in value)
+    ]
 
 
 def _load_error(name: str, e: Exception) -> UserError:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.errors import UserError, read_utf8
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 PromptFn = Callable[[], tuple[str, dict]]
@@ -23,7 +23,7 @@ def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--prompts_file {path}: no such file (one prompt per line, or a JSON list).")
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path, f"--prompts_file {path}")
     if path.suffix == ".json" or text.lstrip().startswith("["):
         try:
             items = json.loads(text)

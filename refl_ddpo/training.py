@@ -143,6 +143,11 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
         ),
         cpu=cfg.device == "cpu",
     )
+    if cfg.device is not None and accelerator.device.type != cfg.device:  # honoured, or said so
+        raise UserError(
+            f"--device {cfg.device}: accelerate placed this process on {accelerator.device} (your accelerate "
+            "config?); run `accelerate config` again or leave --device out."
+        )
     if cfg.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -220,6 +225,11 @@ def register_network_hooks(accelerator, network) -> None:
     """accelerate save/load_state keep only the LoRA (diffusers format) or the full network, not a pickled model."""
 
     def save_hook(models, weights, output_dir):
+        for model in models:  # on every process (their weights are identical), before any file is written
+            check_finite_weights(
+                accelerator.unwrap_model(model),
+                f"not saving {Path(output_dir).name.lstrip('.').removesuffix('.tmp')}",
+            )
         if accelerator.is_main_process:
             for model in models:
                 save_lora(accelerator.unwrap_model(model), output_dir)
@@ -233,6 +243,11 @@ def register_network_hooks(accelerator, network) -> None:
             else:
                 loaded = type(model).from_pretrained(Path(input_dir) / FULL_UNET_DIR)
                 model.load_state_dict(loaded.state_dict())
+            check_finite_weights(
+                model,
+                f"not resuming from {input_dir}",
+                "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
+            )
 
     del network  # the hooks act on the models accelerate hands them
     accelerator.register_save_state_pre_hook(save_hook)
@@ -240,6 +255,29 @@ def register_network_hooks(accelerator, network) -> None:
 
 
 # ---- checkpoints ----
+
+
+def check_finite_weights(
+    model,
+    what: str,
+    fix: str = "the newest checkpoint-N in --output_dir is the last good state: resume from it with a lower "
+    "--learning_rate",
+) -> None:
+    """A UserError if a trained tensor holds NaN or inf, so that no checkpoint or final LoRA is ever written (nor a
+    run resumed) with one. Every process checks (their weights are identical), so every process stops."""
+    bad = [
+        name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())
+    ]
+    if bad:
+        raise UserError(f"{what}: {len(bad)} trained tensor(s) hold NaN or inf (e.g. {bad[0]}); {fix}.")
+
+
+def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
+    """The error that stops a run at a non-finite reward, loss or gradient, before the update and before any save:
+    what happened, that the newest checkpoint stays the last good state, and what to change."""
+    found = list_checkpoints(cfg.output_dir)
+    newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
+    return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
 
 
 def save_checkpoint(
@@ -254,7 +292,12 @@ def save_checkpoint(
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    try:
+        accelerator.save_state(str(tmp))
+    except UserError:  # non-finite weights (the save hook): leave no temporary folder behind
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
@@ -286,6 +329,9 @@ def save_final(accelerator, network, cfg: CommonConfig) -> None:
     """The final LoRA (diffusers format) and the resolved config at the top of output_dir. A local base model is
     recorded by its absolute path, so that inference_lora.py finds it from any working directory."""
     accelerator.wait_for_everyone()
+    check_finite_weights(
+        accelerator.unwrap_model(network), f"not saving the final weights to {cfg.output_dir}"
+    )
     if accelerator.is_main_process:
         config = cfg.to_dict()
         if os.path.exists(cfg.pretrained_model):

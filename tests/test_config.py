@@ -89,7 +89,7 @@ def test_reward_spec():
     ]
     with pytest.raises(UserError, match="unknown reward 'nope'"):
         parse_reward_spec("nope")
-    with pytest.raises(UserError, match="not a number"):
+    with pytest.raises(UserError, match="not a finite number"):
         parse_reward_spec("imagereward:x")
 
 
@@ -156,3 +156,137 @@ def test_a_bad_flag_fails_without_importing_model_code():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.splitlines() == ["UserError", "[]"], r.stdout
+
+
+# ---- non-finite and bad input before anything loads (issue #19): one line naming the flag ----
+
+_NUMBER_CASES = [  # (config, argv, what the one line must name)
+    ("refl", ["--learning_rate", "inf"], "--learning_rate"),
+    ("refl", ["--learning_rate", "nan"], "--learning_rate"),
+    ("refl", ["--grad_scale", "nan"], "--grad_scale"),
+    ("refl", ["--margin", "nan"], "--margin"),
+    ("refl", ["--margin=-inf"], "--margin"),
+    ("refl", ["--adam_beta1", "1.5"], "--adam_beta1"),
+    ("refl", ["--adam_beta2", "nan"], "--adam_beta2"),
+    ("refl", ["--adam_epsilon=-1"], "--adam_epsilon"),
+    ("refl", ["--max_grad_norm", "nan"], "--max_grad_norm"),
+    ("refl", ["--lora_alpha", "nan"], "--lora_alpha"),
+    ("refl", ["--ema_decay", "nan"], "--ema_decay"),
+    ("refl", ["--scheduler", "ddim", "--eta", "nan"], "--eta"),
+    ("refl", ["--kl_weight", "nan"], "--kl_weight"),
+    ("refl", ["--pretrain_loss_weight", "inf"], "--pretrain_loss_weight"),
+    ("refl", ["--guidance_scale", "nan"], "--guidance_scale"),
+    ("refl", ["--reward", "toy_classifier:inf"], "toy_classifier"),
+    ("refl", ["--device", "mps"], "--device mps"),
+    ("ddpo", ["--sample_eta", "nan"], "--sample_eta"),
+    ("ddpo", ["--train_clip_range", "nan"], "--train_clip_range"),
+    ("ddpo", ["--train_adv_clip_max", "inf"], "--train_adv_clip_max"),
+    ("ddpo", ["--train_timestep_fraction", "nan"], "--train_timestep_fraction"),
+    ("ddpo", ["--guidance_scale", "nan"], "--guidance_scale"),
+    ("ddpo", ["--sample_guidance_scale", "inf"], "--sample_guidance_scale"),
+    ("ddpo", ["--kl_weight", "nan"], "--kl_weight"),
+    ("ddpo", ["--reward", "jpeg_compressibility:nan"], "jpeg_compressibility"),
+    ("ddpo", ["--device", "cuda:1"], "--device cuda:1"),
+    ("inference", ["--guidance_scale", "nan"], "--guidance_scale"),
+    ("inference", ["--eta", "inf"], "--eta"),
+]
+
+
+def _config_class(name):
+    from refl_ddpo.generate import InferenceConfig, LoraInferenceConfig
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    return {
+        "refl": ReFLConfig,
+        "ddpo": DDPOConfig,
+        "inference": InferenceConfig,
+        "lora": LoraInferenceConfig,
+    }[name]
+
+
+def _model_folder(tmp_path):
+    """A folder that passes the model-folder check (model_index.json listing no component): nothing loads here."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text("{}")
+    return str(tmp_path / "model")
+
+
+def test_every_non_finite_or_out_of_range_number_is_one_line_naming_the_flag(tmp_path):
+    model = ["--pretrained_model", _model_folder(tmp_path)]
+    for config, argv, name in _NUMBER_CASES:
+        with pytest.raises(UserError) as e:
+            parse_config(_config_class(config), model + argv)
+        msg = str(e.value)
+        assert name in msg and "\n" not in msg, (argv, msg)
+    # inf where the help says so: no PPO clipping
+    assert parse_config(_config_class("ddpo"), ["--train_clip_range", "inf"]).train_clip_range == float("inf")
+
+
+def test_lora_scale_nan_is_refused(tmp_path):
+    (tmp_path / "pytorch_lora_weights.safetensors").write_bytes(b"")
+    argv = ["--pretrained_model", _model_folder(tmp_path), "--lora_dir", str(tmp_path), "--lora_scale", "nan"]
+    with pytest.raises(UserError, match="--lora_scale"):
+        parse_config(_config_class("lora"), argv)
+
+
+def test_device_cuda_without_a_gpu_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for config in ("refl", "ddpo"):
+        with pytest.raises(UserError, match="--device cuda: no CUDA GPU"):
+            parse_config(_config_class(config), ["--device", "cuda"])
+
+
+@pytest.mark.parametrize(
+    "text, name",
+    [
+        ("learning_rate: null\n", "learning_rate is null"),
+        ("learning_rate: [1, 2]\n", "learning_rate is [1, 2]"),
+        ("use_lora: 'no'\n", "use_lora is 'no'"),
+        ("use_lora: maybe\n", "use_lora is 'maybe'"),
+        ("max_train_steps: ten\n", "max_train_steps is 'ten'"),
+        ("max_train_steps: 10.5\n", "max_train_steps"),
+        ("lora_target_modules: to_q\n", "lora_target_modules"),
+        ("lora_target_modules: [to_q, null]\n", "lora_target_modules"),
+        ("scheduler: euler\n", "scheduler is 'euler'"),
+        ("output_dir: 5\n", "output_dir is 5"),
+        ("seed: true\n", "seed is True"),
+        ("seed: {a: 1}\n", "seed is {'a': 1}"),
+        ("margin: .nan\n", "--margin"),
+        ("learning_rate: .inf\n", "--learning_rate"),
+    ],
+)
+def test_config_file_values_are_checked_like_flags(text, name, tmp_path):
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(UserError) as e:
+        parse_config(ReFLConfig, ["--config", str(tmp_path / "c.yaml")])
+    assert name in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_config_file_booleans_and_numbers_read_as_the_flags_would(tmp_path):
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    for text, use_lora in (("yes", True), ("no", False), ("'true'", True), ("'0'", False), ("1", True)):
+        (tmp_path / "c.yaml").write_text(f"use_lora: {text}\nuse_ema: false\n")
+        assert parse_config(ReFLConfig, ["--config", str(tmp_path / "c.yaml")]).use_lora is use_lora, text
+    (tmp_path / "c.yaml").write_text("learning_rate: 1e-4\nlora_alpha: null\nmax_train_steps: '7'\n")
+    cfg = parse_config(ReFLConfig, ["--config", str(tmp_path / "c.yaml")])  # PyYAML reads 1e-4 as a string
+    assert (cfg.learning_rate, cfg.lora_alpha, cfg.max_train_steps) == (1e-4, None, 7)
+    (tmp_path / "c.json").write_text('{"margin": NaN}')
+    with pytest.raises(UserError, match="--margin"):
+        parse_config(ReFLConfig, ["--config", str(tmp_path / "c.json")])
+
+
+def test_files_that_are_not_utf8_name_the_line_and_byte(tmp_path):
+    (tmp_path / "p.txt").write_bytes("a cat\na d\u00f6g\n".encode() + b"caf\xe9\n")
+    with pytest.raises(UserError, match=r"p.txt is not UTF-8 text: byte 0xe9 at offset 16 \(line 3\)"):
+        load_prompts(tmp_path / "p.txt")
+    (tmp_path / "c.yaml").write_bytes(b"seed: 1\n# \xff\n")
+    with pytest.raises(
+        UserError, match=r"--config .*c.yaml is not UTF-8 text: byte 0xff at offset 10 \(line 2\)"
+    ):
+        parse_config(CommonConfig, ["--config", str(tmp_path / "c.yaml")])

@@ -15,6 +15,7 @@ The table names each factory by module, so that checking a `--reward` flag impor
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,11 +66,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
                 "(weighted sums as name:weight,name:weight)."
             )
         try:
-            out.append((name, float(weight) if weight else 1.0))
+            value = float(weight) if weight else 1.0
         except ValueError:
+            value = None
+        if value is None or not math.isfinite(value):
             raise UserError(
-                f"--reward: weight '{weight}' of '{name}' is not a number (write name:0.5)."
-            ) from None
+                f"--reward: weight '{weight}' of '{name}' is not a finite number (write name:0.5)."
+            )
+        out.append((name, value))
     if not out:
         raise UserError("--reward is empty: name a reward, e.g. --reward jpeg_compressibility.")
     return out
@@ -114,6 +118,13 @@ def build_reward(
         return total, info
 
     return Reward(spec, weighted, differentiable)
+
+
+def count_nonfinite(rewards: torch.Tensor) -> int:
+    """How many of the rewards (N,) are NaN or inf (a reward that broke: the trainers and inference stop on them)."""
+    import torch
+
+    return int((~torch.isfinite(rewards.detach())).sum())
 
 
 def reward_stats(

@@ -23,6 +23,7 @@ run resumed from `checkpoint-N` repeats epochs N+1... exactly as the uninterrupt
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +100,8 @@ def train_on_samples(
     when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
     x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
     trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
-    Returns one dict of metrics (mean over its micro-steps and processes) per optimizer step.
+    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step;
+    a non-finite gradient norm raises FloatingPointError before the update (on every process alike).
     """
     from refl_ddpo.lora import adapters_off
 
@@ -145,15 +147,21 @@ def train_on_samples(
                 for k, v in info.items():
                     acc[k].append(v)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, max_grad_norm)
+                if accelerator.sync_gradients:
+                    # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
+                    grad_norm = float(accelerator.clip_grad_norm_(params, max_grad_norm or math.inf))
+                    if not math.isfinite(grad_norm):
+                        raise FloatingPointError(
+                            f"the gradient norm is {grad_norm} (PPO loss {float(loss):.4g}, advantages in "
+                            f"[{float(batch['advantages'].min()):.3g}, {float(batch['advantages'].max()):.3g}])"
+                        )
                 optimizer.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 means = accelerator.reduce(
                     {k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean"
                 )
-                results.append({k: float(v) for k, v in means.items()})
+                results.append({**{k: float(v) for k, v in means.items()}, "grad_norm": grad_norm})
                 acc = defaultdict(list)
     return results
 
@@ -173,6 +181,28 @@ def default_image_hook(accelerator) -> ImageSamplesHook:
         log_image_grid(accelerator, "ddpo/samples", images[:16], captions[:16], global_step)
 
     return hook
+
+
+def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.Tensor:
+    """Which of an epoch's gathered rewards (N,) are finite. A NaN or inf reward stops the run (the same on every
+    process: the rewards are gathered), unless --nonfinite_rewards drop, which keeps the others; all dropped stops."""
+    from refl_ddpo.training import nonfinite_step_error
+
+    finite = torch.isfinite(rewards)
+    bad = len(rewards) - int(finite.sum())
+    if bad and (cfg.nonfinite_rewards == "error" or bad == len(rewards)):
+        fix = (
+            "check the reward, or pass --nonfinite_rewards drop to train on the other samples"
+            if bad < len(rewards)
+            else "check the reward (or the model: do its images hold NaN?)"
+        )
+        raise nonfinite_step_error(
+            cfg,
+            f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of {len(rewards)} samples in "
+            f"epoch {epoch + 1}",
+            fix,
+        )
+    return finite
 
 
 def preflight(cfg: DDPOConfig) -> Path | None:
@@ -198,6 +228,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         load_trainable_family,
         make_accelerator,
         make_optimizer,
+        nonfinite_step_error,
         print_config,
         save_checkpoint,
         save_final,
@@ -290,21 +321,32 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
             all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
             all_prompts = gather_object([p for b in batches for p in b.prompts])
-            advantages = compute_advantages(all_rewards, all_prompts, tracker, cfg.train_adv_clip_max)
+            finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
+            advantages = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
+            advantages[finite] = compute_advantages(
+                all_rewards[finite],
+                [p for p, ok in zip(all_prompts, finite.tolist()) if ok],
+                tracker,
+                cfg.train_adv_clip_max,
+            )
             advantages = advantages.reshape(accelerator.num_processes, -1)[rank]  # this process' samples
             parts = {
                 name: accelerator.gather(
                     torch.cat([b.rewards[1][name].float() for b in batches]).to(accelerator.device)
-                ).cpu()
+                ).cpu()[finite]
                 for name, _ in parse_reward_spec(cfg.reward)
                 if name in batches[0].rewards[1]
             }
-            stats = reward_stats(cfg.reward, all_rewards, parts)
+            stats = reward_stats(cfg.reward, all_rewards[finite], parts)
+            dropped = len(all_rewards) - int(finite.sum())
+            if cfg.nonfinite_rewards == "drop":
+                stats["ddpo/nonfinite_rewards_dropped"] = dropped
             accelerator.log({**stats, "ddpo/epoch": epoch}, step=global_step)
             if main:
                 bar.write(
                     f"epoch {epoch + 1}/{cfg.num_epochs}: {len(all_rewards)} rewards from "
-                    f"{accelerator.num_processes} process(es), "
+                    f"{accelerator.num_processes} process(es)"
+                    + (f" ({dropped} non-finite, dropped), " if dropped else ", ")
                     + ", ".join(f"{k} {v:.4g}" for k, v in stats.items())
                 )
                 hook(
@@ -317,26 +359,33 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             samples = stack_samples(batches, advantages)
             del batches
             for inner_epoch in range(cfg.train_num_inner_epochs):
-                steps = train_on_samples(
-                    family,
-                    network,
-                    scheduler,
-                    samples,
-                    train_uncond,
-                    accelerator,
-                    optimizer,
-                    params,
-                    seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch),
-                    num_steps=cfg.sample_num_steps,
-                    batch_size=cfg.train_batch_size,
-                    num_train_steps=num_train_timesteps(cfg),
-                    guidance_scale=cfg.sample_guidance_scale,
-                    eta=cfg.sample_eta,
-                    clip_range=cfg.train_clip_range,
-                    kl_weight=cfg.kl_weight,
-                    max_grad_norm=cfg.max_grad_norm,
-                    skip_last_steps=cfg.train_skip_last_steps,
-                )
+                try:
+                    steps = train_on_samples(
+                        family,
+                        network,
+                        scheduler,
+                        samples,
+                        train_uncond,
+                        accelerator,
+                        optimizer,
+                        params,
+                        seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch),
+                        num_steps=cfg.sample_num_steps,
+                        batch_size=cfg.train_batch_size,
+                        num_train_steps=num_train_timesteps(cfg),
+                        guidance_scale=cfg.sample_guidance_scale,
+                        eta=cfg.sample_eta,
+                        clip_range=cfg.train_clip_range,
+                        kl_weight=cfg.kl_weight,
+                        max_grad_norm=cfg.max_grad_norm,
+                        skip_last_steps=cfg.train_skip_last_steps,
+                    )
+                except FloatingPointError as e:
+                    raise nonfinite_step_error(
+                        cfg,
+                        f"{e} in epoch {epoch + 1}",
+                        "lower --learning_rate, or check the reward",
+                    ) from None
                 for info in steps:
                     accelerator.log(
                         {f"ddpo/{k}": v for k, v in info.items()} | {"ddpo/inner_epoch": inner_epoch},

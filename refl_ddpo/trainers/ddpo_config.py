@@ -68,7 +68,9 @@ class DDPOConfig(CommonConfig):
         "fine detail; skipping them focuses the update on the steps that decide the image's content.",
     )
     train_clip_range: float = field_(
-        1e-4, "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF)."
+        1e-4,
+        "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF).",
+        allow_inf=True,
     )
     train_adv_clip_max: float = field_(5.0, "Advantages are clipped to [-this, this].")
     train_cfg: bool = field_(
@@ -88,8 +90,15 @@ class DDPOConfig(CommonConfig):
     per_prompt_stat_tracking_min_count: int = field_(
         16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
     )
+    nonfinite_rewards: Literal["error", "drop"] = field_(
+        "error",
+        "A NaN or inf reward stops the run (error, before that epoch's update); drop trains on the epoch's other "
+        "samples instead (a dropped sample gets advantage 0 and stays out of the reward statistics; the count is "
+        "logged as ddpo/nonfinite_rewards_dropped). All of an epoch's rewards non-finite always stops.",
+        group="rewards",
+    )
     async_reward_computation: bool = field_(
-        False, "Compute rewards in a thread pool while sampling continues.", group="rewards"
+        False, "Compute rewards in a thread pool while sampling continues."
     )
     max_workers: int = field_(2, "Threads of the reward pool (with --async_reward_computation).")
     num_epochs: int = field_(
@@ -129,6 +138,7 @@ class DDPOConfig(CommonConfig):
             self.prompt_fn = "from_file" if self.prompts_file else "imagenet_animals"
 
     def check(self) -> None:
+        self.check_numbers()  # first: NaN != NaN would read as an alias disagreeing with its field
         for alias, name in self.ALIASES.items():  # parse_config resolved them; built directly, fill them here
             if getattr(self, alias) is None:
                 setattr(self, alias, getattr(self, name))

@@ -211,13 +211,14 @@ def train(cfg: ReFLConfig) -> None:
     from diffusers.optimization import get_scheduler
     from tqdm.auto import tqdm
 
-    from refl_ddpo.rewards import reward_stats
+    from refl_ddpo.rewards import count_nonfinite, reward_stats
     from refl_ddpo.training import (
         load_checkpoint,
         load_trainable_family,
         log_image_grid,
         make_accelerator,
         make_optimizer,
+        nonfinite_step_error,
         print_config,
         save_checkpoint,
         save_final,
@@ -362,12 +363,30 @@ def train(cfg: ReFLConfig) -> None:
                     pl = pretrain_loss(family, network, noise_scheduler, images, captions, generator)
                     loss = loss + cfg.pretrain_loss_weight * pl
                     sums["pretrain"] += pl.item() / gas
-                rewards_seen.append(out.rewards.detach())
+                # gathered now, so that every process sees a non-finite reward and stops together
+                rewards_seen.append(accelerator.gather(out.rewards.detach()))
+                bad = count_nonfinite(rewards_seen[-1])
+                if bad:
+                    progress.close()  # the error's line starts a line of its own
+                    raise nonfinite_step_error(
+                        cfg,
+                        f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of "
+                        f"{len(rewards_seen[-1])} samples at step {step + 1}",
+                        "check the reward and its files in --reward_model_dir",
+                    )
                 # ---- update ----
                 accelerator.backward(loss)  # divides by gas; DDP all-reduces on the last micro-batch
                 if accelerator.sync_gradients:
                     # the pre-clipping norm of the all-reduced gradient (no clipping when max_grad_norm is 0)
                     grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+                    if not math.isfinite(float(grad_norm)):  # the same on every process: all stop
+                        progress.close()
+                        raise nonfinite_step_error(
+                            cfg,
+                            f"the gradient norm is {float(grad_norm)} at step {step + 1} (ReFL loss "
+                            f"{sums['refl']:.4g})",
+                            "lower --learning_rate or --grad_scale, or check the reward's gradient",
+                        )
                 optimizer.step()
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()
@@ -377,7 +396,7 @@ def train(cfg: ReFLConfig) -> None:
         global_step = step + 1
 
         # ---- logging (means over all processes) ----
-        rewards_all = accelerator.gather(torch.cat(rewards_seen)).cpu()  # [gas * B * processes]
+        rewards_all = torch.cat(rewards_seen).cpu()  # [gas * processes * B], gathered per micro-batch
         losses = accelerator.gather(
             torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=device)[None]
         )

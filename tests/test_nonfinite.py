@@ -1,0 +1,315 @@
+"""Non-finite numbers and broken inputs at run time (issue #19): a NaN / inf reward or gradient stops a run in one
+line before anything is saved (the last good checkpoint stays the newest), DDPO can drop non-finite rewards, no
+weight with NaN is written or loaded, broken model folders and scores.json records are named. CPU, tiny models.
+
+The cases that need no model (config values, --config files, prompt files) are in test_config.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from refl_ddpo.errors import UserError
+from refl_ddpo.rewards import REWARDS
+
+RES = 32
+STATE = {"modes": ["ok"], "calls": 0}
+
+
+def broken_reward(device, dtype, model_dir, **options):
+    """The images' mean, broken at call k (0-based) as STATE['modes'][k] says (the last mode repeats)."""
+
+    def reward_fn(images, prompts, metadata):
+        mode = STATE["modes"][min(STATE["calls"], len(STATE["modes"]) - 1)]
+        STATE["calls"] += 1
+        rewards = images.float().mean(dim=(1, 2, 3))  # (B,), differentiable
+        if mode == "nan":
+            rewards = rewards * float("nan")
+        elif mode == "one_nan":  # the first sample of the batch
+            rewards = torch.cat([rewards[:1] * float("nan"), rewards[1:]])
+        elif mode == "nan_grad":  # finite rewards, NaN gradient (d sqrt(x) / dx at 0, times 0)
+            rewards = rewards + (images.float().sum() * 0).sqrt()
+        return rewards, {}
+
+    return reward_fn
+
+
+@pytest.fixture
+def broken(monkeypatch):
+    """--reward broken (differentiable, so that both trainers take it); returns a function that sets its modes."""
+    monkeypatch.setitem(REWARDS, "broken", (__name__, "broken_reward", True))
+
+    def set_modes(*modes: str) -> None:
+        STATE.update(modes=list(modes), calls=0)
+
+    return set_modes
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def _weight_files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
+
+
+# ---- ReFL: a NaN reward, a NaN gradient ----
+
+
+def _refl_argv(tiny_models, out: Path) -> list[str]:
+    model, rewards = str(tiny_models / "stable-diffusion"), str(tiny_models)
+    return [
+        *("--pretrained_model", model, "--reward_model_dir", rewards, "--reward", "broken"),
+        *("--output_dir", str(out), "--resolution", str(RES), "--device", "cpu", "--report_to", "none"),
+        *("--num_inference_steps", "3", "--k_lo", "1", "--k_hi", "2", "--train_batch_size", "2"),
+        *("--checkpointing_steps", "1", "--image_log_steps", "0"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "mode, message", [("nan", "--reward broken gave 2 non-finite"), ("nan_grad", "gradient norm")]
+)
+def test_refl_stops_before_the_update_and_the_good_checkpoint_stays_newest(
+    mode, message, broken, tiny_models, tmp_path, capsys
+):
+    from refl_ddpo.trainers import refl
+
+    broken("ok", mode)  # step 1 is good and saved; step 2 breaks
+    out = tmp_path / "out"
+    argv = [*_refl_argv(tiny_models, out), "--max_train_steps", "3"]
+    with pytest.raises(SystemExit) as e:
+        refl.main(argv)
+    line = _one_error_line(capsys)
+    assert (
+        e.value.code != 0
+        and message in line
+        and "at step 2" in line
+        and "checkpoint-1 stays the newest" in line
+    )
+    assert _weight_files(out) == [
+        "checkpoint-1/pytorch_lora_weights.safetensors",
+        "checkpoint-1/train_state.safetensors",
+    ]
+
+
+# ---- DDPO: non-finite rewards stop the run, or are dropped with --nonfinite_rewards drop ----
+
+
+def _ddpo_argv(tiny_models, out: Path, *extra: str) -> list[str]:
+    return [
+        *(
+            "--pretrained_model",
+            str(tiny_models / "stable-diffusion"),
+            "--reward_model_dir",
+            str(tiny_models),
+        ),
+        *("--reward", "broken", "--output_dir", str(out), "--resolution", str(RES), "--device", "cpu"),
+        *("--sample_num_steps", "2", "--sample_batch_size", "4", "--sample_num_batches_per_epoch", "1"),
+        *("--train_batch_size", "4", "--num_epochs", "2", "--save_freq", "1", "--report_to", "none"),
+        "--no-per_prompt_stat_tracking",
+        *extra,
+    ]
+
+
+def test_ddpo_drops_non_finite_rewards_when_asked_and_stops_when_all_are(
+    broken, tiny_models, tmp_path, capsys
+):
+    from safetensors.torch import load_file
+
+    from refl_ddpo.trainers import ddpo
+
+    broken("one_nan", "nan")  # epoch 1: one of 4 rewards NaN, dropped; epoch 2: all NaN, the run stops
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        ddpo.main(_ddpo_argv(tiny_models, out, "--nonfinite_rewards", "drop"))
+    captured = capsys.readouterr()
+    assert "(1 non-finite, dropped)" in captured.out, captured.out[-2000:]
+    lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert e.value.code != 0 and len(lines) == 1 and "Traceback" not in captured.err
+    assert "gave 4 non-finite reward(s) (NaN or inf) of 4 samples in epoch 2" in lines[0], lines
+    assert "checkpoint-1 stays the newest" in lines[0]
+    assert _weight_files(out) == [
+        "checkpoint-1/pytorch_lora_weights.safetensors",
+        "checkpoint-1/train_state.safetensors",
+    ]
+    assert all(
+        torch.isfinite(v).all()
+        for v in load_file(out / "checkpoint-1" / "pytorch_lora_weights.safetensors").values()
+    )
+
+
+def test_ddpo_non_finite_rewards_are_an_error_by_default():
+    from refl_ddpo.trainers.ddpo import check_rewards
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+
+    rewards = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
+    cfg = DDPOConfig(output_dir="unused-never-created")
+    with pytest.raises(
+        UserError,
+        match=r"gave 2 non-finite reward\(s\) \(NaN or inf\) of 4 samples in epoch 3.*--nonfinite_rewards drop",
+    ):
+        check_rewards(cfg, rewards, epoch=2)
+    cfg.nonfinite_rewards = "drop"
+    assert check_rewards(cfg, rewards, epoch=2).tolist() == [True, False, False, True]
+    assert check_rewards(cfg, torch.ones(3), epoch=0).all()
+    with pytest.raises(UserError, match="4 non-finite reward"):
+        check_rewards(cfg, torch.full((4,), float("nan")), epoch=0)
+
+
+# ---- no NaN weight is written, resumed or loaded for inference ----
+
+
+def test_non_finite_weights_are_never_saved():
+    from refl_ddpo.training import check_finite_weights
+
+    layer = torch.nn.Linear(2, 2)
+    check_finite_weights(layer, "x")
+    with torch.no_grad():
+        layer.weight[0, 0] = float("nan")
+    with pytest.raises(
+        UserError, match=r"not saving checkpoint-3: 1 trained tensor\(s\) hold NaN or inf \(e.g. weight\)"
+    ):
+        check_finite_weights(layer, "not saving checkpoint-3")
+    layer.weight.requires_grad_(False)  # frozen weights are the base model's business
+    check_finite_weights(layer, "x")
+
+
+def test_resume_refuses_a_checkpoint_with_nan(broken, tiny_models, tmp_path, capsys):
+    """A checkpoint written before these checks (or edited) with NaN weights is not trained on."""
+    from safetensors.torch import load_file, save_file
+
+    from refl_ddpo.trainers import refl
+
+    broken("ok")
+    out = tmp_path / "out"
+    refl.main([*_refl_argv(tiny_models, out), "--max_train_steps", "1"])
+    lora = out / "checkpoint-1" / "pytorch_lora_weights.safetensors"
+    state = load_file(lora)
+    state[next(iter(state))].fill_(float("nan"))
+    save_file(state, lora, metadata={"format": "pt"})
+    before = _weight_files(out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        refl.main(
+            [*_refl_argv(tiny_models, out), "--max_train_steps", "2", "--resume_from_checkpoint", "latest"]
+        )
+    line = _one_error_line(capsys)
+    assert (
+        e.value.code != 0 and "not resuming from" in line and "checkpoint-1" in line and "NaN or inf" in line
+    ), line
+    assert _weight_files(out) == before and not (out / "checkpoint-2").exists()
+
+
+def test_a_non_finite_imagereward_score_stops_inference():
+    from refl_ddpo.generate import ImageRewardScorer
+
+    class Model:
+        def score(self, prompt, images):
+            return [0.5, float("nan")][: len(images)]
+
+    scorer = object.__new__(ImageRewardScorer)  # without loading ImageReward
+    scorer.model, scorer.error = Model(), None
+    assert scorer(["a cat"], [None]) == [0.5]
+    with pytest.raises(
+        UserError, match=r"ImageReward gave 1 non-finite score\(s\) \(NaN or inf\) of 2 images"
+    ):
+        scorer(["a cat", "a cat"], [None, None])
+
+
+def test_inference_refuses_a_lora_with_nan(tiny_sd, tmp_path, capsys):
+    from refl_ddpo.generate import main_lora
+    from refl_ddpo.lora import add_lora, save_lora
+    from refl_ddpo.models import load_pipeline
+
+    unet = load_pipeline(str(tiny_sd)).unet
+    params = add_lora(unet, 2, 2, ["to_q", "to_v"], init="random")
+    with torch.no_grad():
+        params[0].fill_(float("nan"))
+    save_lora(unet, tmp_path / "lora", config={"pretrained_model": str(tiny_sd), "resolution": RES})
+    (tmp_path / "p.txt").write_text("a cat\n")
+    out = tmp_path / "out"
+    argv = [
+        "--lora_dir",
+        str(tmp_path / "lora"),
+        "--prompts_file",
+        str(tmp_path / "p.txt"),
+        "--device",
+        "cpu",
+    ]
+    with pytest.raises(SystemExit) as e:
+        main_lora(
+            [*argv, "--output_dir", str(out), "--num_images_per_prompt", "1", "--num_inference_steps", "2"]
+        )
+    line = _one_error_line(capsys)
+    assert e.value.code != 0 and "--lora_dir" in line and "NaN or inf" in line, line
+    assert not list(out.glob("*.png")) and not (out / "scores.json").exists()
+
+
+# ---- broken model folders and scores.json records ----
+
+
+def test_a_model_folder_missing_a_component_names_it(tmp_path):
+    from refl_ddpo.models import check_pretrained_model
+
+    index = {
+        "_class_name": "StableDiffusionPipeline",
+        "safety_checker": [None, None],
+        "feature_extractor": [
+            "transformers",
+            "CLIPImageProcessor",
+        ],  # loaded as None: its folder may be absent
+        **{part: ["x", "Y"] for part in ("scheduler", "text_encoder", "tokenizer", "unet", "vae")},
+    }
+    model = tmp_path / "sd"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps(index))
+    for part in ("scheduler", "text_encoder", "unet"):
+        (model / part).mkdir()
+    with pytest.raises(
+        UserError, match=r"--pretrained_model .*sd lacks tokenizer/, vae/ \(model_index.json lists them\)"
+    ):
+        check_pretrained_model(str(model))
+    (model / "tokenizer").mkdir()
+    (model / "vae").mkdir()
+    check_pretrained_model(str(model))
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"seed": 1, "file": "a.png", "imagereward": 0.5}, "no str 'prompt'"),
+        ({"prompt": None, "seed": 1, "file": "a.png", "imagereward": 0.5}, "no str 'prompt'"),
+        ({"prompt": "a", "seed": "1", "file": "a.png", "imagereward": 0.5}, "no int 'seed'"),
+        ({"prompt": "a", "seed": 1, "imagereward": 0.5}, "no str 'file'"),
+        ({"prompt": "a", "seed": 1, "file": "a.png", "imagereward": float("nan")}, "imagereward nan"),
+        ({"prompt": "a", "seed": 1, "file": "a.png", "imagereward": float("inf")}, "imagereward inf"),
+        ({"prompt": "a", "seed": 1, "file": "a.png", "imagereward": "0.5"}, "imagereward '0.5'"),
+        ("a record", "record 0 is not an object"),
+    ],
+)
+def test_compare_refuses_broken_records_and_writes_no_nan(record, message, tmp_path, capsys):
+    from refl_ddpo.compare import main
+
+    for run in ("base", "lora"):
+        (tmp_path / run).mkdir()
+        good = {"prompt": "a", "seed": 1, "file": "a.png", "imagereward": 0.25}
+        (tmp_path / run / "scores.json").write_text(
+            json.dumps({"records": [record if run == "lora" else good]})
+        )
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "base"), str(tmp_path / "lora"), "--out", str(tmp_path / "cmp")])
+    line = _one_error_line(capsys)
+    assert e.value.code != 0 and "lora/scores.json record 0" in line and message in line, line
+    assert not (tmp_path / "cmp").exists()
