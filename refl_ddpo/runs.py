@@ -41,6 +41,9 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_NAME = re.compile(
     r"\.checkpoint-\d+\.tmp"
 )  # training.save_checkpoint's folder before its rename
+_claimed: dict[
+    str, str
+] = {}  # output folders this process claimed (resolved path -> run id), for release_run
 RUN_INFO_ATTR = "_run_info"  # where start_run leaves the RunInfo on the config (not a field: never saved)
 
 # Config fields a resumed run must share with its checkpoint (the LoRA ones only when both use LoRA).
@@ -389,4 +392,19 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
             tmp = output_dir / f".{RUN_FILE}.tmp"
             tmp.write_text(json.dumps({"run_id": info.run_id, "trainer": trainer}, indent=2) + "\n")
             os.replace(tmp, output_dir / RUN_FILE)
+            _claimed[str(output_dir.resolve())] = info.run_id
     return resume
+
+
+def release_run(cfg) -> None:
+    """After a user error: give output_dir back if this process claimed it and nothing else was written there yet,
+    so that the corrected command runs without --overwrite_output_dir."""
+    output_dir = Path(cfg.output_dir)
+    run_id = _claimed.get(str(output_dir.resolve()))
+    if run_id is None or run_files(output_dir) != [RUN_FILE]:
+        return
+    try:
+        if json.loads((output_dir / RUN_FILE).read_text()).get("run_id") == run_id:
+            (output_dir / RUN_FILE).unlink()
+    except (OSError, ValueError, AttributeError):
+        pass

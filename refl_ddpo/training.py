@@ -28,16 +28,24 @@ TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and 
 
 def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
     """Run `train_fn(cfg)`; with REFL_DDPO_PREFLIGHT set (launch.sh, before starting several processes) run only
-    `preflight_fn(cfg)`, the checks that need no model. Every process hits the same user error: only rank 0 says it.
-    """
+    `preflight_fn(cfg)`, the checks that need no model. A user error in a worker of launch.sh goes to the launcher,
+    which prints the first one (refl_ddpo.launch); under another launcher only rank 0 says it."""
     import sys
 
+    from refl_ddpo.launch import die_with_launcher, report_user_error
+
+    die_with_launcher()  # a worker of launch.sh stops when its launcher dies, even by kill -9
     try:
         if os.environ.get(PREFLIGHT_ENV):
             preflight_fn(cfg)
             return
         train_fn(cfg)
     except UserError as e:
+        from refl_ddpo.runs import release_run
+
+        release_run(cfg)
+        if report_user_error(str(e), e.exit_code):  # launch.sh prints the first process' error, once
+            sys.exit(e.exit_code)
         if int(os.environ.get("RANK", "0")) > 0:
             sys.exit(e.exit_code)
         raise
