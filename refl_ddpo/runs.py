@@ -399,6 +399,8 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
 def release_run(cfg) -> None:
     """After a user error: give output_dir back if this process claimed it and nothing else was written there yet,
     so that the corrected command runs without --overwrite_output_dir."""
+    if not isinstance(getattr(cfg, "output_dir", None), str):
+        return
     output_dir = Path(cfg.output_dir)
     run_id = _claimed.get(str(output_dir.resolve()))
     if run_id is None or run_files(output_dir) != [RUN_FILE]:
