@@ -38,12 +38,10 @@ RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
 FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # training.save_final writes these
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-TMP_CHECKPOINT_NAME = re.compile(
-    r"\.checkpoint-\d+\.tmp"
-)  # training.save_checkpoint's folder before its rename
-_claimed: dict[
-    str, str
-] = {}  # output folders this process claimed (resolved path -> run id), for release_run
+# training.save_checkpoint's folder before its rename
+TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")
+# output folders this process claimed (resolved path -> run id), for release_run
+_claimed: dict[str, str] = {}
 RUN_INFO_ATTR = "_run_info"  # where start_run leaves the RunInfo on the config (not a field: never saved)
 
 # Config fields a resumed run must share with its checkpoint (the LoRA ones only when both use LoRA).
@@ -361,7 +359,10 @@ def clear_run(cfg, output_dir: Path) -> list[str]:
         names.append("debug")
     for name in names:
         path = output_dir / name
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return names
 
 
