@@ -151,8 +151,13 @@ class CommonConfig(ConfigBase):
     )
     output_dir: str = field_(
         "checkpoint/out",
-        "Where the final LoRA, its config.json and checkpoint-N/ go.",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
         group="data and output",
+    )
+    overwrite_output_dir: bool = field_(
+        False,
+        "Replace the run in --output_dir: delete its checkpoints, final weights, run.json, logs and debug/ first.",
     )
     prompts_file: str | None = field_(
         None, "Prompts: one per line, or a JSON list of strings / {'text'|'prompt': ...} objects."

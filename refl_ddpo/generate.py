@@ -11,14 +11,16 @@ seed, not on the batch it ran in nor on which script ran it, so both scripts dra
 (prompt, seed); with the same batch size the images are bit-identical run to run.
 
 A run folder holds one PNG per image (prompt, seed and settings in its PNG text chunks), `grid.png` and
-`scores.json`; `scores.json` is written last and atomically, and a stale one is removed before the first image is
-overwritten, so a failed run never leaves scores that do not belong to its images.
+`scores.json`; `scores.json` is written last and atomically. An earlier run's files in the folder (its PNGs, grid and
+scores) are deleted, scores first, once the models have loaded, so a failed run never leaves scores that do not
+belong to its images nor images of another run; a folder holding any other file is refused before anything loads.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from refl_ddpo.lora import (
     CONFIG_NAME,
     FULL_UNET_DIR,
     LORA_WEIGHTS_NAME,
+    check_lora_dir,
     load_lora_into_pipeline,
     read_saved_config,
 )
@@ -46,6 +49,7 @@ DEFAULT_BASE_MODEL = "checkpoint/stable-diffusion-v1-4"  # relative to where the
 SCORES_FILE = "scores.json"
 GRID_FILE = "grid.png"
 SCORE_KEY = "imagereward"  # the score field of each record in scores.json
+IMAGE_FILE = re.compile(r"\d{4,}_\d{2,}_seed-?\d+\.png")  # ImageSpec.file
 
 # Settings that change the images; compare.py notes when two runs differ in any of them.
 GENERATION_SETTINGS = (
@@ -110,7 +114,11 @@ class InferenceConfig(ConfigBase):
         "auto",
         "Dtype of the diffusion models; auto: fp16 on a GPU, fp32 on the CPU. ImageReward runs in fp32.",
     )
-    output_dir: str = field_("outputs/base", "Folder for the PNGs, grid.png and scores.json.")
+    output_dir: str = field_(
+        "outputs/base",
+        "Folder for the PNGs, grid.png and scores.json. An earlier inference run's files there are deleted once the "
+        "models have loaded; a folder with any other file is refused.",
+    )
     grid_max_images: int = field_(64, "grid.png shows the first this-many images (0: no grid).")
 
     def check(self) -> None:
@@ -148,7 +156,11 @@ class LoraInferenceConfig(InferenceConfig):
         None,
         "Image side in pixels; default: the resolution recorded in lora_dir/config.json, else the model's native one.",
     )
-    output_dir: str = field_("outputs/lora", "Folder for the PNGs, grid.png and scores.json.")
+    output_dir: str = field_(
+        "outputs/lora",
+        "Folder for the PNGs, grid.png and scores.json. An earlier inference run's files there are deleted once the "
+        "models have loaded; a folder with any other file is refused.",
+    )
     lora_dir: str = field_(
         "checkpoint/refl_lora",
         "Trained LoRA folder (pytorch_lora_weights.safetensors, diffusers format; or unet/ of a full fine-tune), "
@@ -170,8 +182,14 @@ class LoraInferenceConfig(InferenceConfig):
         if not (
             (lora_dir / LORA_WEIGHTS_NAME).is_file() or (lora_dir / FULL_UNET_DIR / "config.json").is_file()
         ):
+            checkpoints = sorted(
+                p.name for p in lora_dir.glob("checkpoint-*") if (p / LORA_WEIGHTS_NAME).is_file()
+            )
+            hint = (
+                f" (it holds {', '.join(checkpoints[-2:])}: point it at one of them)" if checkpoints else ""
+            )
             raise UserError(
-                f"--lora_dir {self.lora_dir} has no {LORA_WEIGHTS_NAME} (nor {FULL_UNET_DIR}/): point it "
+                f"--lora_dir {self.lora_dir} has no {LORA_WEIGHTS_NAME} (nor {FULL_UNET_DIR}/){hint}: point it "
                 "at the folder a trainer wrote its final weights to."
             )
         saved = _read_lora_config(lora_dir)
@@ -190,6 +208,7 @@ class LoraInferenceConfig(InferenceConfig):
         if self.resolution is None and saved.get("resolution"):
             self.resolution = int(saved["resolution"])
         super().check()
+        check_lora_dir(lora_dir)
 
 
 def _read_lora_config(lora_dir: Path) -> dict:
@@ -392,6 +411,25 @@ def quiet_hf_logging() -> None:
         lib.utils.logging.disable_progress_bar()
 
 
+def earlier_outputs(out_dir: Path) -> list[Path]:
+    """An earlier inference run's files in `out_dir` (its PNGs, grid.png, scores.json), scores.json first, to be
+    replaced; a one-line UserError if the folder holds anything else (hidden files aside): nothing of a training run
+    or of the user is ever deleted."""
+    own, other = [], []
+    for path in sorted(out_dir.iterdir()):
+        if path.name in (SCORES_FILE, GRID_FILE, f".{SCORES_FILE}.tmp") or IMAGE_FILE.fullmatch(path.name):
+            own.append(path)
+        elif not path.name.startswith("."):
+            other.append(path.name)
+    if other:
+        shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+        raise UserError(
+            f"--output_dir {out_dir} holds files that no inference run wrote ({shown}); pick an empty or new folder "
+            "(an earlier inference run's PNGs, grid.png and scores.json are replaced)."
+        )
+    return sorted(own, key=lambda p: p.name != SCORES_FILE)
+
+
 def run_inference(cfg: InferenceConfig) -> dict:
     """Generate, save and score every image of the prompts file; returns what it wrote to scores.json."""
     from PIL import Image
@@ -403,6 +441,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
     prompts = load_prompts(cfg.prompts_file)
     specs = plan_images(prompts, cfg.num_images_per_prompt, cfg.seed)
     out_dir = check_output_dir(cfg.output_dir)
+    earlier = earlier_outputs(out_dir)
     print(f"{type(cfg).__name__}:\n{cfg.pretty()}", flush=True)
     print(
         f"  -> {len(prompts)} prompts x {cfg.num_images_per_prompt} images = {len(specs)} images, batches of "
@@ -418,9 +457,9 @@ def run_inference(cfg: InferenceConfig) -> dict:
         k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)
     }
 
-    # ---- generate: from here on the folder's old results are stale ----
-    for name in (SCORES_FILE, GRID_FILE):
-        (out_dir / name).unlink(missing_ok=True)
+    # ---- generate: from here on the folder's old results are stale (scores.json goes first) ----
+    for path in earlier:
+        path.unlink(missing_ok=True)
     records, grid_images = [], []
     start = time.perf_counter()
     with tqdm(total=len(specs), desc="images", unit="img") as bar:

@@ -196,6 +196,36 @@ def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
         )
 
 
+def check_lora_dir(lora_dir: str | Path, flag: str = "--lora_dir") -> None:
+    """Before loading a model: the LoRA file (or the full fine-tune's unet/) reads, else one line naming the file.
+    The header and size are checked (safetensors stores no checksum of the tensors' bytes)."""
+    from safetensors import SafetensorError, safe_open
+
+    lora_dir = Path(lora_dir)
+    if (lora_dir / FULL_UNET_DIR / "config.json").is_file():
+        files = sorted((lora_dir / FULL_UNET_DIR).glob("*.safetensors"))
+        try:
+            json.loads((lora_dir / FULL_UNET_DIR / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(
+                f"{flag} {lora_dir}: {lora_dir / FULL_UNET_DIR / 'config.json'} is not JSON ({e})."
+            )
+    else:
+        files = [lora_dir / LORA_WEIGHTS_NAME]
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                keys = list(f.keys())
+        except (OSError, SafetensorError) as e:
+            problem = " ".join(str(e).split())[:200]
+            raise UserError(
+                f"{flag} {lora_dir}: {path} is not a readable safetensors file ({problem}); train again or point "
+                f"{flag} at an intact copy (a checkpoint-N folder holds one too)."
+            ) from None
+        if not keys:
+            raise UserError(f"{flag} {lora_dir}: {path} holds no tensors.")
+
+
 def read_saved_config(lora_dir: str | Path) -> dict:
     path = Path(lora_dir) / CONFIG_NAME
     return json.loads(path.read_text()) if path.is_file() else {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -29,16 +28,24 @@ TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and 
 
 def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
     """Run `train_fn(cfg)`; with REFL_DDPO_PREFLIGHT set (launch.sh, before starting several processes) run only
-    `preflight_fn(cfg)`, the checks that need no model. Every process hits the same user error: only rank 0 says it.
-    """
+    `preflight_fn(cfg)`, the checks that need no model. A user error in a worker of launch.sh goes to the launcher,
+    which prints the first one (refl_ddpo.launch); under another launcher only rank 0 says it."""
     import sys
 
+    from refl_ddpo.launch import die_with_launcher, report_user_error
+
+    die_with_launcher()  # a worker of launch.sh stops when its launcher dies, even by kill -9
     try:
         if os.environ.get(PREFLIGHT_ENV):
             preflight_fn(cfg)
             return
         train_fn(cfg)
     except UserError as e:
+        from refl_ddpo.runs import release_run
+
+        release_run(cfg)
+        if report_user_error(str(e), e.exit_code):  # launch.sh prints the first process' error, once
+            sys.exit(e.exit_code)
         if int(os.environ.get("RANK", "0")) > 0:
             sys.exit(e.exit_code)
         raise
@@ -100,32 +107,6 @@ def check_output_dir(path: str) -> Path:
     return out
 
 
-def resolve_resume(cfg: CommonConfig) -> Path | None:
-    """'latest' -> the newest output_dir/checkpoint-N (None if there is none yet); a path must exist."""
-    if not cfg.resume_from_checkpoint:
-        return None
-    if cfg.resume_from_checkpoint == "latest":
-        found = list_checkpoints(cfg.output_dir)
-        return found[-1] if found else None
-    path = Path(cfg.resume_from_checkpoint)
-    if not (path / TRAIN_STATE_JSON).is_file():
-        raise UserError(f"--resume_from_checkpoint {path} is not a checkpoint-N folder written by this kit.")
-    return path
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """checkpoint-N folders with a complete state, oldest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [
-        p
-        for p in out.iterdir()
-        if re.fullmatch(r"checkpoint-\d+", p.name) and (p / TRAIN_STATE_JSON).is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 # ---- accelerator and model ----
 
 
@@ -177,6 +158,7 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
     `cfg.resolution` resolved to the model's native one where unset (and checked), LoRA (or all) trainable, and
     accelerate's save/load hooks registered for the network."""
     from refl_ddpo.families import load_family
+    from refl_ddpo.runs import check_resumed_resolution
 
     dtype = weight_dtype(accelerator)
     family = load_family(cfg.pretrained_model, dtype, accelerator.device)
@@ -187,6 +169,7 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
             f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
             f"{family.vae_scale_factor}."
         )
+    check_resumed_resolution(cfg)
     params = make_trainable(family.network, cfg)
     register_network_hooks(accelerator, family.network)
     return family, params, dtype
@@ -275,6 +258,8 @@ def check_finite_weights(
 def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
     """The error that stops a run at a non-finite reward, loss or gradient, before the update and before any save:
     what happened, that the newest checkpoint stays the last good state, and what to change."""
+    from refl_ddpo.runs import list_checkpoints
+
     found = list_checkpoints(cfg.output_dir)
     newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
     return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
@@ -283,10 +268,14 @@ def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
 def save_checkpoint(
     accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor]
 ) -> Path:
-    """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators.
+    """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
+    checkpoint.json last (refl_ddpo.runs: the run, the settings a resume must match, every file's size).
 
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
+    --checkpoints_total_limit then deletes the oldest checkpoints of this run only.
     """
+    from refl_ddpo.runs import rotate_checkpoints, run_info, write_marker
+
     final = Path(cfg.output_dir) / f"checkpoint-{step}"
     tmp = Path(cfg.output_dir) / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process and tmp.exists():
@@ -298,6 +287,7 @@ def save_checkpoint(
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    accelerator.wait_for_everyone()  # every process' random states are in tmp before it is listed and renamed
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
@@ -305,23 +295,33 @@ def save_checkpoint(
             {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS)
         )
         (tmp / TRAIN_STATE_JSON).write_text(json.dumps(counters, indent=2) + "\n")
+        write_marker(tmp, cfg, step, accelerator.num_processes)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         if cfg.checkpoints_total_limit:
-            for old in list_checkpoints(cfg.output_dir)[: -cfg.checkpoints_total_limit]:
-                shutil.rmtree(old)
+            rotate_checkpoints(cfg.output_dir, run_info(cfg).run_id, cfg.checkpoints_total_limit)
     accelerator.wait_for_everyone()
     return final
 
 
 def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore accelerate state from `path`; return our (counters, tensors)."""
+    """Restore accelerate state from `path` (checked by refl_ddpo.runs.start_run); return our (counters, tensors).
+    A file that still fails to load is one line naming the checkpoint."""
+    import pickle
+
     from safetensors.torch import load_file
 
-    accelerator.load_state(str(path))
-    counters = json.loads((path / TRAIN_STATE_JSON).read_text())
-    tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
+    try:
+        accelerator.load_state(str(path))
+        counters = json.loads((path / TRAIN_STATE_JSON).read_text())
+        tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
+    except (OSError, EOFError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+        first = " ".join(str(e).split())[:200] or type(e).__name__
+        raise UserError(
+            f"--resume_from_checkpoint {path} could not be loaded ({type(e).__name__}: {first}); resume another "
+            "checkpoint-N."
+        ) from None
     return counters, tensors
 
 

@@ -30,10 +30,10 @@ TOY=refl_ddpo/data/toy_world
 HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
 
 echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
-bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora"
+bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora" --overwrite_output_dir
 
 echo "== DDPO (LoRA) on the programmatic colour reward"
-bash train_scripts/train_ddpo.sh --preset toy_world --device cpu --output_dir "$OUT/ddpo_lora"
+bash train_scripts/train_ddpo.sh --preset toy_world --device cpu --output_dir "$OUT/ddpo_lora" --overwrite_output_dir
 
 echo "== before / after on the held-out prompts: the same prompts and seeds"
 GEN=(--prompts_file "$HELD_OUT" --num_images_per_prompt 8 --reward_model_dir "$TOY" --device cpu)

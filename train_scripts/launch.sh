@@ -59,10 +59,12 @@ launch() {
   # torch's ChildFailedError report; the trainers stop after their pre-load checks when REFL_DDPO_PREFLIGHT is set.
   WORLD_SIZE="$nproc" REFL_DDPO_PREFLIGHT=1 "$PYTHON" -m "$module" "$@" || exit $?
   local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+  # refl_ddpo.launch is accelerate launch whose processes die with it (no orphans after a kill -9) and which prints a
+  # process' user error as its one line, not under torch's ChildFailedError report.
   # --quiet: a failing script exits with its own one-line error, not under accelerate's CalledProcessError traceback
   # --mixed_precision no: the trainer sets its own from its flag; --multi_gpu without a GPU runs CPU processes (gloo)
   local args=(--quiet --multi_gpu --num_processes "$nproc" --num_machines 1 --main_process_port "$port"
               --dynamo_backend no --mixed_precision no)
   echo "launching $module: $nproc process(es), GPUs: ${CUDA_VISIBLE_DEVICES:-none set}, port $port" >&2
-  exec "$PYTHON" -m accelerate.commands.launch "${args[@]}" -m "$module" "$@"
+  exec "$PYTHON" -m refl_ddpo.launch "${args[@]}" -m "$module" "$@"
 }

@@ -208,11 +208,10 @@ def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.T
 def preflight(cfg: DDPOConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
     from refl_ddpo.models import check_pretrained_model
-    from refl_ddpo.training import check_output_dir, resolve_resume
+    from refl_ddpo.runs import start_run
 
     check_pretrained_model(cfg.pretrained_model)
-    check_output_dir(cfg.output_dir)
-    return resolve_resume(cfg)
+    return start_run(cfg, "ddpo", "num_epochs")  # output_dir free or continued; the checkpoint fits
 
 
 def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:

@@ -174,18 +174,12 @@ def pretrain_loss(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_world_size(path: Path) -> int:
-    from refl_ddpo.training import TRAIN_STATE_JSON
-
-    return int(json.loads((path / TRAIN_STATE_JSON).read_text()).get("num_processes", 1))
-
-
 def preflight(cfg: ReFLConfig):
     """Everything checkable before a model is loaded: (cfg, prompts, pretrain data, resume path, world size)."""
     from refl_ddpo.image_captions import PretrainData
     from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.prompts import resolve_prompts
-    from refl_ddpo.training import check_output_dir, resolve_resume
+    from refl_ddpo.runs import start_run
 
     check_pretrained_model(cfg.pretrained_model)
     check_reward_files(cfg)
@@ -195,14 +189,7 @@ def preflight(cfg: ReFLConfig):
         os.environ.get("WORLD_SIZE", "1")
     )  # set by accelerate launch / torchrun for every process
     cfg = resolve_gradient_accumulation(cfg, world_size)
-    resume_path = resolve_resume(cfg)
-    if resume_path is not None and _checkpoint_world_size(resume_path) != world_size:
-        raise UserError(
-            f"--resume_from_checkpoint {resume_path} was written by {_checkpoint_world_size(resume_path)}"
-            f" process(es); resume it with NUM_PROCESSES={_checkpoint_world_size(resume_path)} "
-            "(each process continues its own random stream)."
-        )
-    check_output_dir(cfg.output_dir)
+    resume_path = start_run(cfg, "refl", "max_train_steps")  # output_dir free or continued; checkpoint fits
     return cfg, prompts, pretrain_data, resume_path, world_size
 
 

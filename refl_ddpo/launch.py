@@ -1,0 +1,125 @@
+"""Start several trainer processes with accelerate (train_scripts/launch.sh), adding two things to `accelerate launch`:
+
+1. The processes die with the launcher. torch's elastic agent (which `accelerate launch` runs) starts every worker in
+   a session of its own and stops them only when it can clean up; after a kill -9 of the launcher they ran on as
+   orphans, still writing --output_dir. A worker started from here asks the kernel for SIGKILL when its parent dies
+   (`die_with_launcher`: Linux's prctl(PR_SET_PDEATHSIG)); elsewhere this is not available and nothing changes.
+2. A user error on any process reaches the user as its one line. The worker writes it to a file in the launcher's
+   REFL_DDPO_ERROR_DIR instead of printing it (`report_user_error`), and the launcher prints the line of the first
+   process that failed in place of torch's ChildFailedError report and the agent's log lines about stopping the
+   others. Any other failure keeps the report and the log lines.
+
+    python -m refl_ddpo.launch [accelerate launch flags] -m MODULE [flags ...]
+
+The worker side (`die_with_launcher`, `report_user_error`) is called by `training.run_or_preflight` and imports
+nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+LAUNCHER_PID_ENV = "REFL_DDPO_LAUNCHER_PID"  # the launcher's pid: a worker whose parent is gone stops at once
+ERROR_DIR_ENV = "REFL_DDPO_ERROR_DIR"  # workers write their user error here as rank{RANK}.json
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+AGENT_LOGGER = "torch.distributed.elastic"
+
+
+# ---- the worker's side ----
+
+
+def _launched_worker() -> str | None:
+    """The launcher's pid if this process is a worker that refl_ddpo.launch started, else None."""
+    pid = os.environ.get(LAUNCHER_PID_ENV)
+    return pid if pid and "LOCAL_RANK" in os.environ else None
+
+
+def die_with_launcher() -> None:
+    """Ask the kernel to SIGKILL this worker when its parent (the launcher) dies; exit now if it already has."""
+    pid = _launched_worker()
+    if pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(pid):  # the launcher died before we asked: nobody would stop us
+        os._exit(1)
+
+
+def report_user_error(message: str, exit_code: int) -> bool:
+    """In a worker of refl_ddpo.launch: leave the one-line error for the launcher to print; True if it was left."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if _launched_worker() is None or not folder or rank is None or not Path(folder).is_dir():
+        return False
+    path = Path(folder) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"message": message, "exit_code": exit_code}))
+    os.replace(tmp, path)
+    return True
+
+
+# ---- the launcher's side ----
+
+
+class _HeldLogs(logging.Handler):
+    """The elastic agent's log records, held until we know whether a user error explains the failure."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger(AGENT_LOGGER)
+        self.logger.addHandler(self)
+        self.logger.propagate = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def finish(self, replay: bool) -> None:
+        self.logger.removeHandler(self)
+        self.logger.propagate = True
+        if replay:
+            for record in self.records:
+                self.logger.handle(record)
+
+
+def _reported(folder: str, rank: int) -> dict | None:
+    try:
+        report = json.loads((Path(folder) / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) and "message" in report else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = launch_command_parser().parse_args(argv)
+    held = _HeldLogs()
+    with tempfile.TemporaryDirectory(prefix="refl_ddpo_errors.") as errors:
+        os.environ[ERROR_DIR_ENV] = errors  # the workers inherit the launcher's environment
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+        try:
+            launch_command(args)
+        except ChildFailedError as e:
+            rank, _ = e.get_first_failure()
+            report = _reported(errors, rank)
+            held.finish(replay=report is None)
+            if report is None:
+                raise
+            print(f"error: {report['message']}", file=sys.stderr, flush=True)
+            sys.exit(int(report.get("exit_code", 2)))
+        held.finish(replay=True)
+
+
+if __name__ == "__main__":
+    main()
