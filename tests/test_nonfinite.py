@@ -199,6 +199,10 @@ def test_resume_refuses_a_checkpoint_with_nan(broken, tiny_models, tmp_path, cap
     state = load_file(lora)
     state[next(iter(state))].fill_(float("nan"))
     save_file(state, lora, metadata={"format": "pt"})
+    marker = out / "checkpoint-1" / "checkpoint.json"  # a complete checkpoint, as if written with the NaN
+    record = json.loads(marker.read_text())
+    record["files"][lora.name] = lora.stat().st_size
+    marker.write_text(json.dumps(record))
     before = _weight_files(out)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
