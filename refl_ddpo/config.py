@@ -144,6 +144,11 @@ class CommonConfig(ConfigBase):
         group="models",
         flags=("--pretrained_model_name_or_path",),
     )
+    drop_t5: bool = field_(
+        False,
+        "SD3: load without the T5 text encoder (saves about 9 GB for SD3.5; SD3 was trained to work without it). "
+        "A folder without text_encoder_3 loads without T5 anyway.",
+    )
     reward_model_dir: str = field_(
         "checkpoint",
         "Folder with the reward models' files: ImageReward.pt, med_config.json and bert-base-uncased/ (or the hub id "

@@ -77,6 +77,10 @@ class InferenceConfig(ConfigBase):
         DEFAULT_BASE_MODEL,
         "Base Stable Diffusion: a local diffusers folder or a hub id (e.g. CompVis/stable-diffusion-v1-4).",
     )
+    drop_t5: bool = field_(
+        False,
+        "SD3: load without the T5 text encoder (a folder without text_encoder_3 loads without it anyway).",
+    )
     reward_model_dir: str = field_(
         "checkpoint",
         "Folder with ImageReward.pt, med_config.json and bert-base-uncased/; without them the images are still "
@@ -272,7 +276,7 @@ def load_inference_family(cfg: InferenceConfig):
     from refl_ddpo.families import load_family
 
     try:
-        family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device)
+        family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device, drop_t5=cfg.drop_t5)
     except UserError as e:
         if getattr(cfg, "base_from_lora_config", False):
             raise UserError(

@@ -161,7 +161,7 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
     from refl_ddpo.runs import check_resumed_resolution
 
     dtype = weight_dtype(accelerator)
-    family = load_family(cfg.pretrained_model, dtype, accelerator.device)
+    family = load_family(cfg.pretrained_model, dtype, accelerator.device, drop_t5=cfg.drop_t5)
     if cfg.resolution is None:
         cfg.resolution = family.native_resolution
     if cfg.resolution % family.vae_scale_factor:

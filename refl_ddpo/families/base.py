@@ -61,6 +61,11 @@ class ModelFamily(ABC):
 
         return getattr(diffusers, kind).from_config(self.pipe.scheduler.config)
 
+    def policy_scheduler(self):
+        """The sampler of the policy-gradient trainers, whose `step_with_logprob` is the stochastic step: the
+        family's first (default) sampler (DDIM for SD 1.x, flow-matching Euler for SD3)."""
+        return self.scheduler(next(iter(self.schedulers.values())))
+
     def rollout_scheduler(self, kind: str):
         """The sampler of a reward-backprop rollout (ReFL's --scheduler): "ddpm" (stochastic, ImageReward's) or
         "ddim" (eta 0: deterministic), from the model's scheduler config."""

@@ -241,9 +241,9 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     # ---- models ----
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
     family, params, dtype = load_trainable_family(accelerator, cfg)
-    scheduler = family.scheduler("DDIMScheduler")
+    scheduler = family.policy_scheduler()  # DDIM (SD 1.x) or flow matching with Flow-GRPO's SDE step (SD3)
     family.pipe.scheduler = scheduler
-    if cfg.kl_weight > 0 and scheduler.config.clip_sample:
+    if cfg.kl_weight > 0 and scheduler.config.get("clip_sample", False):
         raise UserError(
             f"--kl_weight needs a scheduler with clip_sample=False (Stable Diffusion's); "
             f"{cfg.pretrained_model} clips x0: use --kl_weight 0."
