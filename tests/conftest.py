@@ -13,6 +13,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+# The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones.
+LONG_FIRST = ("test_toy_learning", "test_toy_learning_sd3", "test_refl", "test_ddpo", "test_inference")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(LONG_FIRST)))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Tiny random models in the checkpoint/ layout, built once per test session."""

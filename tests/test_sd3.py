@@ -327,6 +327,7 @@ def test_ddpo_script_trains_sd3_without_t5_and_saves_a_lora_that_loads(tiny_mode
     """train_ddpo.sh on the tiny SD3 folder with --drop_t5: runs end to end; the LoRA loads in a stock pipeline."""
     import os
     import subprocess
+    import sys
 
     out = tmp_path / "ddpo"
     flags = ["--pretrained_model", str(tiny_sd3), "--drop_t5", "--reward", "jpeg_compressibility"]
@@ -344,7 +345,7 @@ def test_ddpo_script_trains_sd3_without_t5_and_saves_a_lora_that_loads(tiny_mode
     ]
     flags += ["--lora_target_modules", *StableDiffusion3.lora_target_modules]
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable}
     r = subprocess.run(
         ["bash", str(repo / "train_scripts" / "train_ddpo.sh"), *flags],
         capture_output=True,
