@@ -317,3 +317,19 @@ def test_compare_refuses_broken_records_and_writes_no_nan(record, message, tmp_p
     line = _one_error_line(capsys)
     assert e.value.code != 0 and "lora/scores.json record 0" in line and message in line, line
     assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.parametrize("trainer", ["refl", "ddpo"])
+@pytest.mark.parametrize("reward", ["toy_classifier", "imagereward"])
+def test_missing_reward_files_are_one_line_before_loading(trainer, reward, tiny_models, tmp_path, capsys):
+    """Both trainers check the reward's files in --reward_model_dir before any model loads."""
+    import importlib
+
+    main = importlib.import_module(f"refl_ddpo.trainers.{trainer}").main
+    argv = (_refl_argv if trainer == "refl" else _ddpo_argv)(tiny_models, tmp_path / "out")
+    argv += ["--reward", reward, "--reward_model_dir", str(tmp_path / "empty")]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    line = _one_error_line(capsys)
+    assert e.value.code != 0 and f"--reward {reward}" in line and "lacks" in line, line
+    assert not (tmp_path / "out").exists()

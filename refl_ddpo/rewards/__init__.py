@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refl_ddpo.errors import UserError
@@ -39,6 +42,37 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "toy_classifier": ("refl_ddpo.rewards.toy", "toy_classifier", True),
     "toy_color_match": ("refl_ddpo.rewards.toy", "toy_color_match", False),
 }
+
+
+# Files a reward reads from --reward_model_dir, checked before any model loads; hub: a hub id may stand for the folder.
+REWARD_FILES: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "imagereward": (
+        ("ImageReward.pt", "med_config.json", "bert-base-uncased"),
+        True,
+        "put ImageReward.pt, med_config.json and bert-base-uncased/ there (see checkpoint/README.md)",
+    ),
+    "toy_classifier": (
+        ("toy_classifier.safetensors", "toy_classifier.json"),
+        False,
+        "write them with `python -m refl_ddpo.tiny OUT --toy_world` and pass --reward_model_dir OUT",
+    ),
+}
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def check_reward_files(spec: str, model_dir: str) -> None:
+    """Every reward of `spec` that reads files finds them in `model_dir`: else one line naming what is missing."""
+    for name, _ in parse_reward_spec(spec):
+        if name not in REWARD_FILES:
+            continue
+        files, hub, fix = REWARD_FILES[name]
+        if hub and not os.path.exists(model_dir) and _HUB_ID.fullmatch(model_dir):
+            continue  # fetched from the hub when the reward loads
+        missing = [f for f in files if not (Path(model_dir) / f).exists()]
+        if missing:
+            raise UserError(
+                f"--reward {name}: --reward_model_dir {model_dir} lacks {', '.join(missing)}; {fix}."
+            )
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from refl_ddpo.algorithms.reward_backprop import refl_loss, x0_kl
 from refl_ddpo.errors import UserError, cli_main
 from refl_ddpo.families import Cond, ModelFamily
 from refl_ddpo.sampling import DenoiseOutput, denoise
-from refl_ddpo.trainers.refl_config import ReFLConfig, check_reward_files, resolve_gradient_accumulation
+from refl_ddpo.trainers.refl_config import ReFLConfig, resolve_gradient_accumulation
 
 # The k generator's seed is `seed + K_STREAM_OFFSET`, so that its draws never coincide with the stream of a
 # process's own generator (seeded `seed + rank`), in this run or in a run with a nearby seed.
@@ -179,10 +179,11 @@ def preflight(cfg: ReFLConfig):
     from refl_ddpo.image_captions import PretrainData
     from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.prompts import resolve_prompts
+    from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
 
     check_pretrained_model(cfg.pretrained_model)
-    check_reward_files(cfg)
+    check_reward_files(cfg.reward, cfg.reward_model_dir)
     prompts = resolve_prompts(cfg.prompts_file)
     pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
     world_size = int(

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from refl_ddpo.config import CommonConfig, field_
@@ -15,9 +12,6 @@ from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import DATA_DIR
 
 TOY_WORLD_DIR = DATA_DIR / "toy_world"
-
-IMAGEREWARD_FILES = ("ImageReward.pt", "med_config.json", "bert-base-uncased")
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass
@@ -175,23 +169,6 @@ class ReFLConfig(CommonConfig):
             raise UserError(
                 "--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag)."
             )
-
-
-def check_reward_files(cfg: ReFLConfig) -> None:
-    """A local ImageReward folder must hold all three of its files (a hub id is fetched when the reward loads)."""
-    from refl_ddpo.rewards import parse_reward_spec
-
-    if "imagereward" not in [name for name, _ in parse_reward_spec(cfg.reward)]:
-        return
-    folder = cfg.reward_model_dir
-    if not os.path.exists(folder) and _HUB_ID.fullmatch(folder):
-        return
-    missing = [name for name in IMAGEREWARD_FILES if not (Path(folder) / name).exists()]
-    if missing:
-        raise UserError(
-            f"--reward_model_dir {folder} lacks {', '.join(missing)}: put ImageReward.pt, "
-            "med_config.json and bert-base-uncased/ there (see checkpoint/README.md)."
-        )
 
 
 def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLConfig:
