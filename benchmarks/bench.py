@@ -57,6 +57,7 @@ from benchmarks.cases import make_cases
 from benchmarks.config import BenchConfig
 from benchmarks.flops import run_flops_only
 from benchmarks.measure import machine_info, measure
+from benchmarks.memory import run_memory_only
 from benchmarks.models import Bench, model_configs, parameter_counts
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if cfg.flops_only:
         run_flops_only(cfg, argv)
+    elif cfg.memory_only:
+        run_memory_only(cfg, argv)
     elif cfg.sweep:
         run_sweep(cfg)
     else:

@@ -106,6 +106,12 @@ class BenchConfig(ConfigBase):
         "counts of each model call, composed) and write flops.md with the time floor "
         "at --peak_tflops. Needs no GPU and no memory.",
     )
+    memory_only: bool = field_(
+        False,
+        "Run nothing on a device: count every case's peak device memory on fake CUDA tensors (the kit's code "
+        "runs on shapes only, as an H100 would allocate; see benchmarks/memory.py) and write memory.md. Needs "
+        "no GPU; dtype default bf16.",
+    )
     # ---- sweep ----
     sweep: bool = field_(
         False,
