@@ -33,6 +33,7 @@ kernels (outside what PyTorch reports), and NCCL buffers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import tempfile
@@ -263,8 +264,8 @@ def cuda_on_meta():
         optim_module._get_foreach_kernels_supported_devices,
         _foreach_utils._get_foreach_kernels_supported_devices,
     )
-    states = [s for s in (PartialState._shared_state, AcceleratorState._shared_state) if "device" in s]
-    devices = [s["device"] for s in states]
+    states = (PartialState._shared_state, AcceleratorState._shared_state)
+    devices = [s.get("device") for s in states]
     clear = torch.clear_autocast_cache
 
     def clear_autocast_cache():
@@ -290,8 +291,9 @@ def cuda_on_meta():
             optim_module._get_foreach_kernels_supported_devices,
             _foreach_utils._get_foreach_kernels_supported_devices,
         ) = saved
-        for s, d in zip(states, devices):
-            s["device"] = d
+        for s, d in zip(states, devices):  # the accelerator was made with cpu=True
+            if "device" in s:
+                s["device"] = d if d is not None else torch.device("cpu")
 
 
 class MetaBench(Bench):
@@ -336,23 +338,59 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
     return result
 
 
+def memory_table(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        "| case | one run | weights (GiB) | live before the run (GiB) | peak (GiB, computed) | counted in |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["cases"]:
+        lines.append(
+            f"| {r['name']} | {r['unit']} | {r['setup_bytes'] / GIB:.2f} | {r['steady_bytes'] / GIB:.2f} | "
+            f"{r['peak_bytes'] / GIB:.2f} | {r['seconds']:.0f} s |"
+        )
+    notes = [
+        (
+            f"Computed on the meta device, not measured: {meta['models']}, {meta['dtype']}, {meta['resolution']} px, "
+            f"gradient checkpointing {'on' if meta['gradient_checkpointing'] else 'off'}."
+        ),
+        (
+            "Peak: the largest sum of live device blocks (512-byte rounding) during the second run, after a warm-up "
+            "run, as torch.cuda.max_memory_allocated after reset_peak_memory_stats (see benchmarks/memory.py for "
+            "what is and is not counted). Weights: what is live after setup (frozen and trained weights). Live "
+            "before the run: weights and optimizer states."
+        ),
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
 def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
-    """--memory_only: every case's peak device memory, counted on fake CUDA tensors."""
+    """--memory_only: every case's peak device memory, counted on the meta device."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.dtype is None:
-        cfg.dtype = "bf16"  # the GPU default
-    rows = []
+    cfg.dtype = cfg.dtype or "bf16"  # the GPU default
+    cfg.device = "cpu"  # the host; the models go to the meta device
+    results = {
+        "meta": {
+            "command": " ".join(["python benchmarks/bench.py", *argv]),
+            "models": "tiny (refl_ddpo.tiny)" if cfg.tiny else "SD v1.5 architecture",
+            "dtype": cfg.dtype,
+            "resolution": cfg.resolution or (32 if cfg.tiny else 512),
+            "gradient_checkpointing": cfg.gradient_checkpointing,
+            "options": dataclasses.asdict(cfg),
+        },
+        "cases": [],
+    }
     with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
         configs = model_configs(cfg.tiny, Path(workdir))
-        cfg.device = "cpu"  # the host side (accelerate's state is moved to the fake cuda device)
-        cases = [c for c in make_cases(cfg) if c.bench != "forward"]
-        for case in cases:
+        for case in [c for c in make_cases(cfg) if c.bench != "forward"]:
             r = case_memory(cfg, configs, Path(workdir), case)
-            rows.append(r)
+            r["unit"] = case.unit
+            results["cases"].append(r)
             print(
                 f"  {case.name:<24} peak {r['peak_bytes'] / GIB:.2f} GiB  ({r['seconds']:.1f} s)", flush=True
             )
-    results = {"meta": {"command": " ".join(["python benchmarks/bench.py", *argv])}, "cases": rows}
-    write_files(out, {"memory.json": json.dumps(results, indent=2) + "\n"})
+            table = memory_table(results)
+            write_files(out, {"memory.json": json.dumps(results, indent=2) + "\n", "memory.md": table})
+    print("\n" + table, flush=True)
     return results
