@@ -4,6 +4,8 @@
     python benchmarks/bench.py --device cuda --dtype bf16 --out benchmarks/results/h200
     python benchmarks/bench.py --tiny --device cpu --out benchmarks/results/cpu_tiny
     python benchmarks/bench.py --sweep --device cuda --out benchmarks/results/h200_sweep   # before/after table
+    python benchmarks/bench.py --flops_only     # FLOPs of every case, counted on the meta device (no GPU)
+    python benchmarks/bench.py --memory_only    # peak device memory of every case, counted on meta (no GPU)
 
 The models are built from config files with random weights (speed and memory do not depend on the values):
 benchmarks/configs/ holds SD v1.5's unet/vae/text_encoder configs and BLIP's med_config.json of ImageReward (its

@@ -19,7 +19,8 @@ How the count is made:
   on the kernel an H100 picks (flash attention for 16-bit inputs with head dim <= 256 and no mask, else
   memory-efficient attention: their outputs and log-sum-exp are all they keep; the meta device would take the
   math path, which holds the whole attention matrix); the multi-tensor (`foreach`) paths of AdamW and gradient
-  clipping that CUDA parameters take (AdamW's makes one temporary the size of all trained weights).
+  clipping that CUDA parameters take (AdamW's makes one temporary the size of all trained weights); gradient
+  checkpointing's recomputation under the CUDA autocast state of its forward.
 - Values are not computed: a device value read on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`) gets
   True, 0.5 or 0. The benchmarked code only checks such values (finite, in range) or logs them, so the branches
   taken are the normal ones.
@@ -254,6 +255,7 @@ def cuda_on_meta():
     from accelerate.state import AcceleratorState, PartialState
     from torch.optim import optimizer as optim_module
     from torch.utils import _foreach_utils
+    from torch.utils import checkpoint as checkpoint_module
 
     mode = CudaOnMeta()
     amp = torch.cuda.amp.common
@@ -263,6 +265,7 @@ def cuda_on_meta():
         torch.clear_autocast_cache,
         optim_module._get_foreach_kernels_supported_devices,
         _foreach_utils._get_foreach_kernels_supported_devices,
+        checkpoint_module._infer_device_type,
     )
     states = (PartialState._shared_state, AcceleratorState._shared_state)
     devices = [s.get("device") for s in states]
@@ -275,7 +278,12 @@ def cuda_on_meta():
     def foreach_devices():
         return [*saved[3](), DEVICE]
 
+    def infer_device_type(*args):  # gradient checkpointing recomputes under the autocast state of this type
+        device_type = saved[5](*args)
+        return "cuda" if device_type == DEVICE else device_type
+
     amp.amp_definitely_not_available = lambda: False
+    checkpoint_module._infer_device_type = infer_device_type
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     torch.clear_autocast_cache = clear_autocast_cache
     optim_module._get_foreach_kernels_supported_devices = foreach_devices
@@ -290,6 +298,7 @@ def cuda_on_meta():
             torch.clear_autocast_cache,
             optim_module._get_foreach_kernels_supported_devices,
             _foreach_utils._get_foreach_kernels_supported_devices,
+            checkpoint_module._infer_device_type,
         ) = saved
         for s, d in zip(states, devices):  # the accelerator was made with cpu=True
             if "device" in s:
