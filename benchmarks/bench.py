@@ -4,6 +4,8 @@
     python benchmarks/bench.py --device cuda --dtype bf16 --out benchmarks/results/h200
     python benchmarks/bench.py --tiny --device cpu --out benchmarks/results/cpu_tiny
     python benchmarks/bench.py --sweep --device cuda --out benchmarks/results/h200_sweep   # before/after table
+    python benchmarks/bench.py --flops_only     # FLOPs of every case, counted on the meta device (no GPU)
+    python benchmarks/bench.py --memory_only    # peak device memory of every case, counted on meta (no GPU)
 
 The models are built from config files with random weights (speed and memory do not depend on the values):
 benchmarks/configs/ holds SD v1.5's unet/vae/text_encoder configs and BLIP's med_config.json of ImageReward (its
@@ -57,6 +59,7 @@ from benchmarks.cases import make_cases
 from benchmarks.config import BenchConfig
 from benchmarks.flops import run_flops_only
 from benchmarks.measure import machine_info, measure
+from benchmarks.memory import run_memory_only
 from benchmarks.models import Bench, model_configs, parameter_counts
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
@@ -116,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     if cfg.flops_only:
         run_flops_only(cfg, argv)
+    elif cfg.memory_only:
+        run_memory_only(cfg, argv)
     elif cfg.sweep:
         run_sweep(cfg)
     else:

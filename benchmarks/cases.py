@@ -23,17 +23,22 @@ class Case:
     setup: Callable[[Bench], tuple[Callable[[], torch.Tensor], dict]]
 
 
-def refl_case(mode: str, batch: int) -> Case:
-    """One optimizer step of refl_ddpo.trainers.refl (its inner loop without logging), k fixed."""
+def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
+    """One optimizer step of refl_ddpo.trainers.refl (its inner loop without logging), k fixed. `sd3_t5` not None:
+    on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5."""
 
     def setup(b: Bench):
         from refl_ddpo.trainers.refl import refl_step
 
-        base_unet, params = b.trainable_unet(mode)
-        family = b.family(base_unet)
-        scheduler = family.scheduler(
-            "DDPMScheduler"
-        )  # the ReFL trainer's default rollout sampler (ReFL.py's)
+        if sd3_t5 is None:
+            base_unet, params = b.trainable_unet(mode)
+            family = b.family(base_unet)
+            # the ReFL trainer's default rollout sampler (ReFL.py's)
+            scheduler = family.scheduler("DDPMScheduler")
+        else:
+            base_unet, params = b.trainable_unet(mode, name="sd3_transformer")
+            family = b.sd3_family(base_unet, sd3_t5)
+            scheduler = family.rollout_scheduler("ddpm")  # flow matching: its Euler sampler either way
         reward_model = b.build("reward")
         unet, optimizer = b.prepare(base_unet, params, None)
         b.finish(unet, family.vae, reward_model)
@@ -69,9 +74,13 @@ def refl_case(mode: str, batch: int) -> Case:
 
         return run, {"unet": base_unet, "vae": family.vae, "reward": reward_model}
 
-    return Case(
-        f"refl {mode} b{batch}", "refl", "optimizer step", batch, {"mode": mode, "batch": batch}, setup
-    )
+    if sd3_t5 is None:
+        return Case(
+            f"refl {mode} b{batch}", "refl", "optimizer step", batch, {"mode": mode, "batch": batch}, setup
+        )
+    name = f"sd35m_refl {mode} b{batch} {'with' if sd3_t5 else 'without'} T5"
+    settings = {"mode": mode, "batch": batch, "t5": sd3_t5, "model": "sd3.5-medium"}
+    return Case(name, "sd35m_refl", "optimizer step", batch, settings, setup)
 
 
 def _ddpo_setup(b: Bench):
@@ -276,10 +285,17 @@ def make_cases(cfg: BenchConfig) -> list[Case]:
             cases.append(ddpo_train_case(cfg.ddpo_sample_batch_size, cfg.ddpo_train_batch_size))
         elif bench == "inference":
             cases += [inference_case(bs) for bs in cfg.inference_batch_sizes]
+        elif bench == "sd35m_refl":
+            cases += [
+                refl_case(m, bs, t5)
+                for t5 in (False, True)
+                for m in cfg.refl_modes
+                for bs in cfg.refl_batch_sizes
+            ]
         elif bench == "forward":
             cases += [forward_case(n) for n in ("unet", "vae", "text_encoder", "reward")]
     for case in cases:  # the step counts of this config, for the JSON
-        if case.bench == "refl":
+        if case.bench in ("refl", "sd35m_refl"):
             case.settings.update(
                 steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm"
             )

@@ -11,7 +11,7 @@ import torch
 from refl_ddpo.config import ConfigBase, field_
 from refl_ddpo.errors import UserError
 
-CASES = ("refl", "ddpo_sample", "ddpo_train", "inference", "forward")
+CASES = ("refl", "ddpo_sample", "ddpo_train", "inference", "forward", "sd35m_refl")
 DEFAULT_CASES = "refl,ddpo_sample,ddpo_train,inference"
 
 
@@ -105,6 +105,12 @@ class BenchConfig(ConfigBase):
         "Run nothing: count every case's model FLOPs on the meta device (per-sample "
         "counts of each model call, composed) and write flops.md with the time floor "
         "at --peak_tflops. Needs no GPU and no memory.",
+    )
+    memory_only: bool = field_(
+        False,
+        "Run nothing on a device: count every case's peak device memory on fake CUDA tensors (the kit's code "
+        "runs on shapes only, as an H100 would allocate; see benchmarks/memory.py) and write memory.md. Needs "
+        "no GPU; dtype default bf16.",
     )
     # ---- sweep ----
     sweep: bool = field_(

@@ -22,6 +22,24 @@ REAL_CONFIG_FILES = {
 }
 
 
+# SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium): MMDiT-X transformer, 16-channel VAE, CLIP-L and CLIP-G
+# text encoders with projection, T5-XXL encoder (optional: the kit's drop_t5).
+SD3_CONFIG_FILES = {
+    "sd3_transformer": "sd35m_transformer.json",
+    "sd3_vae": "sd35m_vae.json",
+    "sd3_clip_l": "sd35m_text_encoder.json",
+    "sd3_clip_g": "sd35m_text_encoder_2.json",
+    "sd3_t5": "sd35m_text_encoder_3.json",
+}
+SD3_TINY_FOLDERS = {
+    "sd3_transformer": "transformer",
+    "sd3_vae": "vae",
+    "sd3_clip_l": "text_encoder",
+    "sd3_clip_g": "text_encoder_2",
+    "sd3_t5": "text_encoder_3",
+}
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -49,6 +67,17 @@ def model_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
     }
 
 
+def sd3_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
+    """SD3.5 Medium's configs kept in benchmarks/configs, or those of refl_ddpo.tiny's tiny SD3 (written into
+    `workdir`)."""
+    if not tiny:
+        return {name: _read_json(CONFIG_DIR / f) for name, f in SD3_CONFIG_FILES.items()}
+    from refl_ddpo.tiny import write_tiny_stable_diffusion_3
+
+    folder = write_tiny_stable_diffusion_3(workdir)
+    return {name: _read_json(folder / sub / "config.json") for name, sub in SD3_TINY_FOLDERS.items()}
+
+
 def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
     """One model with freshly initialised random weights, on the current default device (a `torch.device` context:
     meta for counting parameters, the GPU to skip a slow CPU init). `tokenizer`: ImageReward's BERT tokenizer."""
@@ -64,6 +93,22 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
         from transformers import CLIPTextConfig, CLIPTextModel
 
         return CLIPTextModel(CLIPTextConfig(**config, attn_implementation=attention))
+    if name == "sd3_transformer":
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel.from_config(config)
+    if name == "sd3_vae":
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL.from_config(config)
+    if name in ("sd3_clip_l", "sd3_clip_g"):
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+        return CLIPTextModelWithProjection(CLIPTextConfig(**config, attn_implementation=attention))
+    if name == "sd3_t5":
+        from transformers import T5Config, T5EncoderModel
+
+        return T5EncoderModel(T5Config(**config, attn_implementation=attention))
     if name == "reward":
         from refl_ddpo.rewards.imagereward import ImageRewardModel
 
@@ -109,6 +154,8 @@ class Bench:
         from refl_ddpo.training import make_accelerator
 
         self.cfg = cfg
+        self.workdir = workdir
+        self._sd3_configs = None
         self.dtype = cfg.resolved_dtype
         self.configs = configs
         self.resolution = cfg.resolution or (32 if cfg.tiny else 512)
@@ -148,11 +195,12 @@ class Bench:
 
     def build(self, name: str):
         """A frozen model in `dtype` on the device, with attention / channels_last as asked."""
+        config = self.configs[name] if name in self.configs else self.sd3_configs[name]
         with torch.device(self.device):
-            model = construct(name, self.configs[name], self.cfg.attention, self.bert_tokenizer)
+            model = construct(name, config, self.cfg.attention, self.bert_tokenizer)
         model.requires_grad_(False).eval()
         model.to(dtype=self.dtype)
-        if name in ("unet", "vae"):
+        if name in ("unet", "vae", "sd3_transformer", "sd3_vae"):
             if self.cfg.attention == "eager":
                 from diffusers.models.attention_processor import AttnProcessor
 
@@ -186,12 +234,42 @@ class Bench:
             )
         )
 
-    def trainable_unet(self, mode: str, config=None) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    @property
+    def sd3_configs(self) -> dict[str, dict]:
+        if self._sd3_configs is None:
+            self._sd3_configs = sd3_configs(self.cfg.tiny, self.workdir)
+        return self._sd3_configs
+
+    def sd3_family(self, transformer, t5: bool):
+        """The Stable Diffusion 3 family around `transformer` with a fresh 16-channel VAE, CLIP-L, CLIP-G and (with
+        `t5`) T5 encoder: what `load_family` gives for an SD3.5 folder (without T5: `drop_t5`)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        from refl_ddpo.families.sd3 import StableDiffusion3
+        from refl_ddpo.tiny import t5_tokenizer
+
+        return StableDiffusion3(
+            StableDiffusion3Pipeline(
+                transformer=transformer,
+                vae=self.build("sd3_vae"),
+                text_encoder=self.build("sd3_clip_l"),
+                tokenizer=self.clip_tokenizer,
+                text_encoder_2=self.build("sd3_clip_g"),
+                tokenizer_2=self.clip_tokenizer,
+                text_encoder_3=self.build("sd3_t5") if t5 else None,
+                tokenizer_3=t5_tokenizer() if t5 else None,
+                scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # SD3.5's
+            )
+        )
+
+    def trainable_unet(
+        self, mode: str, config=None, name: str = "unet"
+    ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
         """The UNet as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on a frozen base in dtype
         (adapters fp32), or all of it in fp32; gradient checkpointing if asked."""
         from refl_ddpo.training import make_trainable
 
-        unet = self.build("unet")
+        unet = self.build(name)
         config = dataclasses.replace(
             config or self.common,
             use_lora=mode == "lora",

@@ -147,3 +147,74 @@ def test_minimal_tiny_run_of_every_case_writes_results(tmp_path):
     assert results["meta"]["tiny"] and results["meta"]["parameters"]["unet"] > 0
     table = (out / "results.md").read_text()
     assert all(f"| {c['name']} |" in table for c in results["cases"])
+
+
+# ---- peak memory computed on the meta device (benchmarks/memory.py) ----
+
+
+def test_peak_memory_tracker_counts_blocks_views_and_frees():
+    import torch
+
+    from benchmarks.memory import PeakMemory
+
+    with PeakMemory() as mem:
+        a = torch.empty(1000, device="meta")  # 4000 bytes -> 8 blocks of 512
+        view = a[:10]  # a view: same storage, nothing new
+        b = torch.empty(10, device="meta")  # 40 bytes -> one block
+        host = torch.ones(10**6)  # host tensors are not device memory
+        assert (mem.live, mem.peak) == (4096 + 512, 4096 + 512)
+        del a, view
+        assert mem.live == 512 and mem.peak == 4096 + 512
+        mem.reset_peak()
+        c = b * 2  # an op's output
+        assert mem.peak == 1024 and host.sum().item() == 10**6
+        assert c.sum().item() == 0.5  # device values read on the host are made up
+        del b, c
+    assert mem.live == 0
+
+
+def test_cuda_behaviour_on_meta_autocast_and_fused_attention():
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.memory import PeakMemory, cuda_on_meta
+
+    with cuda_on_meta(), PeakMemory() as mem:
+        x = torch.randn(1, 32, 8, 8, device="meta")
+        w = torch.randn(16, 8, device="meta", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert F.linear(x, w).dtype == torch.bfloat16  # lower-precision list
+            assert F.linear(x, w).dtype == torch.bfloat16  # the weight's cast is cached
+            assert F.group_norm(x.bfloat16(), 8).dtype == torch.float32  # fp32 list
+            assert F.interpolate(x.bfloat16(), scale_factor=2.0).dtype == torch.float32
+            assert x.bfloat16().softmax(-1).dtype == torch.float32
+        assert F.linear(x, w).dtype == torch.float32  # outside autocast
+        # Attention at 4096 tokens: the flash kernel keeps no 4096 x 4096 score matrix (32 MiB per head in bf16).
+        q = torch.randn(1, 2, 4096, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        mem.reset_peak()
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        assert mem.peak - mem.live < 8 * 2**20
+
+
+def test_memory_only_on_tiny_models(tmp_path):
+    import torch
+
+    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.models import construct, model_configs
+
+    argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "refl", "--refl_modes", "lora"]
+    argv += ["--refl_batch_sizes", "1", "--refl_steps", "3", "--refl_k", "1"]
+    results = run_memory_only(parse_config(BenchConfig, argv), argv)
+    (case,) = results["cases"]
+    # The weights live after setup: every parameter and buffer of the four models, in bf16 (LoRA in fp32).
+    configs = model_configs(True, tmp_path / "models")
+    frozen = 0
+    with torch.device("meta"):
+        for name, c in configs.items():
+            model = construct(name, c)
+            tensors = [*model.parameters(), *model.buffers()]
+            frozen += sum(round_block(t.numel() * 2) for t in tensors if t.is_floating_point())
+    assert frozen <= case["setup_bytes"] < 1.1 * frozen
+    # The step holds the weights, the Adam states, the activations saved for backward and the gradients.
+    assert case["setup_bytes"] < case["steady_bytes"] < case["peak_bytes"] < 3 * case["setup_bytes"]
+    assert (tmp_path / "memory.md").read_text().count("| refl lora b1 |") == 1

@@ -1,0 +1,405 @@
+"""Peak device memory without a GPU (`--memory_only`): each case runs once with its device tensors on the meta
+device (shapes, dtypes, strides and the autograd graph, no data, no arithmetic), and a dispatch mode keeps the
+bytes of every live device storage and their peak: what `torch.cuda.max_memory_allocated` would report.
+
+How the count is made:
+
+- The case's own `setup` and `run` (the kit's functions, as the timed runs call them) run with the models on the
+  meta device in place of the GPU. Host tensors stay real CPU tensors (generators, schedulers, host copies of the
+  timesteps work as usual).
+- `PeakMemory` sees every op below autograd. Each new device storage (a parameter, an op's output, a tensor saved
+  for backward, a gradient, an optimizer state) is added when it appears, rounded up to 512 bytes as the CUDA
+  caching allocator rounds a block, and taken off when the storage dies (a weak reference's callback): views and
+  in-place ops add nothing. As the timed runs, the case is set up, run once (the warm-up: the optimizer states
+  appear), the peak is reset to what is live then (weights, optimizer states), and the peak of a second run is
+  reported.
+- CUDA's behaviour where it differs from meta tensors' is reproduced (`CudaOnMeta`): autocast with CUDA's op lists
+  (matmuls and convolutions in bf16; norms, upsampling, exp/pow/rsqrt, softmax and sums in fp32) and its cache of
+  the casts of fp32 leaf weights, kept until the outermost autocast region ends; `F.scaled_dot_product_attention`
+  on the kernel an H100 picks (flash attention for 16-bit inputs with head dim <= 256 and no mask, else
+  memory-efficient attention: their outputs and log-sum-exp are all they keep; the meta device would take the
+  math path, which holds the whole attention matrix); the multi-tensor (`foreach`) paths of AdamW and gradient
+  clipping that CUDA parameters take (AdamW's makes one temporary the size of all trained weights); gradient
+  checkpointing's recomputation under the CUDA autocast state of its forward.
+- Values are not computed: a device value read on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`) gets
+  True, 0.5 or 0. The benchmarked code only checks such values (finite, in range) or logs them, so the branches
+  taken are the normal ones.
+
+Not counted: memory a kernel allocates for itself inside one op (cuBLAS / cuBLASLt workspaces, cuDNN convolution
+workspaces, flash attention's fp32 gradient accumulator, the padding of a mask for memory-efficient attention),
+the caching allocator's fragmentation and reserved-but-free blocks (`max_memory_reserved`), the CUDA context and
+kernels (outside what PyTorch reports), and NCCL buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from benchmarks.cases import Case, make_cases
+from benchmarks.config import BenchConfig
+from benchmarks.measure import GIB
+from benchmarks.models import Bench, model_configs
+from benchmarks.report import write_files
+
+BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+DEVICE = "meta"  # where the device tensors live during the count
+aten = torch.ops.aten
+
+# CUDA autocast's op lists (ATen/autocast_mode.h), by the name of the Python function that reaches each op.
+LOWER_PRECISION = {
+    *("conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"),
+    *(
+        "convolution",
+        "_convolution",
+        "prelu",
+        "addmm",
+        "addmv",
+        "addr",
+        "matmul",
+        "__matmul__",
+        "__rmatmul__",
+    ),
+    *("einsum", "mm", "mv", "linalg_vecdot", "vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul"),
+    *("multi_dot", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "bilinear"),
+}
+FP32 = {
+    *(
+        "acos",
+        "asin",
+        "cosh",
+        "erfinv",
+        "exp",
+        "expm1",
+        "log",
+        "log10",
+        "log2",
+        "log1p",
+        "reciprocal",
+        "rsqrt",
+    ),
+    *("sinh", "tan", "pow", "__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "softplus", "layer_norm"),
+    *(
+        "rms_norm",
+        "group_norm",
+        "cosine_similarity",
+        "normalize",
+        "poisson_nll_loss",
+        "cosine_embedding_loss",
+    ),
+    *("nll_loss", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss"),
+    *("margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss"),
+    *(
+        "multi_margin_loss",
+        "binary_cross_entropy_with_logits",
+        "dist",
+        "pdist",
+        "cdist",
+        "renorm",
+        "logsumexp",
+    ),
+    *("interpolate", "upsample", "upsample_nearest", "upsample_bilinear"),  # every upsampling kernel is fp32
+}
+FP32_OUTPUT_DTYPE = {"prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum", "linalg_vector_norm"}
+
+
+def round_block(nbytes: int) -> int:
+    return math.ceil(nbytes / BLOCK) * BLOCK
+
+
+def _made_up(dtype: torch.dtype):
+    """The value a host read of a device tensor gets: True, 0.5 or 0."""
+    return True if dtype == torch.bool else (0.5 if dtype.is_floating_point else 0)
+
+
+def _on_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == DEVICE
+
+
+class PeakMemory(TorchDispatchMode):
+    """Live bytes of the device (meta) storages that ops create, rounded to 512-byte blocks, and their peak. A
+    device value read on the host is made up (`_made_up`); a device tensor copied to the host becomes a real
+    tensor filled with that value."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._blocks = WeakIdKeyDictionary()  # storage -> its block size
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type != DEVICE:
+            return
+        storage = t.untyped_storage()
+        if storage in self._blocks:
+            return
+        nbytes = round_block(storage.nbytes())
+        self._blocks[storage] = nbytes
+        if nbytes:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._local_scalar_dense.default and _on_device(args[0]):
+            return _made_up(args[0].dtype)
+        if func is aten._to_copy.default and _on_device(args[0]):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != DEVICE:  # to the host: made-up values
+                dtype = kwargs.get("dtype") or args[0].dtype
+                return torch.full(args[0].shape, _made_up(dtype), dtype=dtype, device=device)
+        if func is aten.copy_.default and not _on_device(args[0]) and _on_device(args[1]):
+            return args[0].fill_(_made_up(args[0].dtype))
+        out = func(*args, **kwargs)
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+
+def _sdpa_kernel(q: torch.Tensor, attn_mask) -> str:
+    """The fused kernel that PyTorch picks on an H100 (sm90) for these inputs."""
+    if q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None and q.shape[-1] <= 256:
+        return "flash"
+    return "efficient"
+
+
+class CudaOnMeta(TorchFunctionMode):
+    """What CUDA does differently from the meta device, at the level of torch functions: autocast (its op lists
+    and its cache of cast weights) while `torch.autocast("cuda")` is on, and scaled-dot-product attention on the
+    H100's fused kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = WeakIdKeyDictionary()  # fp32 leaf weight -> its cast, until the outermost autocast exits
+
+    def _cast(self, x, dtype: torch.dtype):
+        if not (_on_device(x) and x.is_floating_point() and x.dtype not in (dtype, torch.float64)):
+            return x
+        cacheable = dtype != torch.float32 and x.dtype == torch.float32 and x.requires_grad and x.is_leaf
+        if cacheable and x in self.cache:
+            return self.cache[x]
+        y = x.to(dtype)
+        if cacheable:
+            self.cache[x] = y
+        return y
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(func, args, kwargs)
+        name = getattr(func, "__name__", None)
+        if name not in LOWER_PRECISION and name not in FP32 and name not in FP32_OUTPUT_DTYPE:
+            return func(*args, **kwargs)
+        if not torch.is_autocast_enabled("cuda") or not any(
+            _on_device(x) for x in tree_flatten((args, kwargs))[0]
+        ):
+            return func(*args, **kwargs)
+        if name in FP32_OUTPUT_DTYPE:
+            if kwargs.get("dtype") is None and args and _on_device(args[0]) and args[0].is_floating_point():
+                kwargs = {**kwargs, "dtype": torch.float32}
+            return func(*args, **kwargs)
+        dtype = torch.get_autocast_dtype("cuda") if name in LOWER_PRECISION else torch.float32
+
+        def cast(x):
+            return self._cast(x, dtype)
+
+        args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+        with torch.autocast("cuda", enabled=False):
+            return func(*args, **kwargs)
+
+    def _attention(self, func, args, kwargs):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        a = dict(zip(names, args)) | kwargs
+        q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
+        if not _on_device(q) or q.dim() != 4 or a.get("enable_gqa"):
+            return func(*args, **kwargs)
+        if torch.is_autocast_enabled("cuda"):  # SDPA is on autocast's lower-precision list
+            dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (self._cast(x, dtype) for x in (q, k, v))
+            mask = self._cast(mask, dtype) if mask is not None else None
+        p, causal, scale = a.get("dropout_p", 0.0), a.get("is_causal", False), a.get("scale")
+        if _sdpa_kernel(q, mask) == "flash":
+            return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+            mask = mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        return aten._scaled_dot_product_efficient_attention(q, k, v, mask, grad, p, causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def cuda_on_meta():
+    """Device tensors on meta behaving as on an H100: CUDA autocast switched on without a GPU (its state only: the
+    casts are `CudaOnMeta`'s), accelerate's state on `cuda` (its autocast is CUDA's), the foreach optimizer paths
+    for meta tensors as for CUDA ones."""
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.optim import optimizer as optim_module
+    from torch.utils import _foreach_utils
+    from torch.utils import checkpoint as checkpoint_module
+
+    mode = CudaOnMeta()
+    amp = torch.cuda.amp.common
+    saved = (
+        amp.amp_definitely_not_available,
+        torch.cuda.is_bf16_supported,
+        torch.clear_autocast_cache,
+        optim_module._get_foreach_kernels_supported_devices,
+        _foreach_utils._get_foreach_kernels_supported_devices,
+        checkpoint_module._infer_device_type,
+    )
+    states = (PartialState._shared_state, AcceleratorState._shared_state)
+    devices = [s.get("device") for s in states]
+    clear = torch.clear_autocast_cache
+
+    def clear_autocast_cache():
+        clear()
+        mode.cache.clear()
+
+    def foreach_devices():
+        return [*saved[3](), DEVICE]
+
+    def infer_device_type(*args):  # gradient checkpointing recomputes under the autocast state of this type
+        device_type = saved[5](*args)
+        return "cuda" if device_type == DEVICE else device_type
+
+    amp.amp_definitely_not_available = lambda: False
+    checkpoint_module._infer_device_type = infer_device_type
+    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
+    torch.clear_autocast_cache = clear_autocast_cache
+    optim_module._get_foreach_kernels_supported_devices = foreach_devices
+    _foreach_utils._get_foreach_kernels_supported_devices = foreach_devices
+    try:
+        with mode:
+            yield
+    finally:
+        (
+            amp.amp_definitely_not_available,
+            torch.cuda.is_bf16_supported,
+            torch.clear_autocast_cache,
+            optim_module._get_foreach_kernels_supported_devices,
+            _foreach_utils._get_foreach_kernels_supported_devices,
+            checkpoint_module._infer_device_type,
+        ) = saved
+        for s, d in zip(states, devices):  # the accelerator was made with cpu=True
+            if "device" in s:
+                s["device"] = d if d is not None else torch.device("cpu")
+
+
+class MetaBench(Bench):
+    """A Bench whose models live on the meta device, with an accelerator that autocasts as on `cuda` and places
+    nothing (build it inside `cuda_on_meta()`)."""
+
+    def __init__(self, cfg: BenchConfig, configs: dict[str, dict], workdir: Path):
+        super().__init__(cfg, configs, workdir)
+        from accelerate.state import AcceleratorState, PartialState
+
+        self.device = torch.device(DEVICE)
+        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+            if "device" in shared:
+                shared["device"] = torch.device("cuda", 0)
+        self.accelerator.device_placement = False
+
+
+def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
+    """Peak device bytes of one case, counted as the timed runs measure it: setup, one warm-up run, reset of the
+    peak, one run."""
+    t0 = time.perf_counter()
+    with cuda_on_meta(), PeakMemory() as mem:
+        b = MetaBench(cfg, configs, workdir)
+        run, _ = case.setup(b)
+        setup_live, setup_peak = mem.live, mem.peak
+        run()
+        steady = mem.live
+        mem.reset_peak()
+        run()
+        result = {
+            "name": case.name,
+            "bench": case.bench,
+            "images": case.images,
+            "settings": case.settings,
+            "setup_bytes": setup_live,
+            "setup_peak_bytes": setup_peak,
+            "steady_bytes": steady,
+            "peak_bytes": mem.peak,
+        }
+        del run, b
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def memory_table(results: dict) -> str:
+    meta = results["meta"]
+    lines = [
+        "| case | one run | weights (GiB) | live before the run (GiB) | peak (GiB, computed) | counted in |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results["cases"]:
+        lines.append(
+            f"| {r['name']} | {r['unit']} | {r['setup_bytes'] / GIB:.2f} | {r['steady_bytes'] / GIB:.2f} | "
+            f"{r['peak_bytes'] / GIB:.2f} | {r['seconds']:.0f} s |"
+        )
+    notes = [
+        (
+            f"Computed on the meta device, not measured: {meta['models']}, {meta['dtype']}, {meta['resolution']} px, "
+            f"gradient checkpointing {'on' if meta['gradient_checkpointing'] else 'off'}."
+        ),
+        (
+            "Peak: the largest sum of live device blocks (512-byte rounding) during the second run, after a warm-up "
+            "run, as torch.cuda.max_memory_allocated after reset_peak_memory_stats (see benchmarks/memory.py for "
+            "what is and is not counted). Weights: what is live after setup (frozen and trained weights). Live "
+            "before the run: weights and optimizer states."
+        ),
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
+    """--memory_only: every case's peak device memory, counted on the meta device."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.dtype = cfg.dtype or "bf16"  # the GPU default
+    cfg.device = "cpu"  # the host; the models go to the meta device
+    results = {
+        "meta": {
+            "command": " ".join(["python benchmarks/bench.py", *argv]),
+            "models": "tiny (refl_ddpo.tiny)" if cfg.tiny else "SD v1.5 architecture",
+            "dtype": cfg.dtype,
+            "resolution": cfg.resolution or (32 if cfg.tiny else 512),
+            "gradient_checkpointing": cfg.gradient_checkpointing,
+            "options": dataclasses.asdict(cfg),
+        },
+        "cases": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
+        configs = model_configs(cfg.tiny, Path(workdir))
+        for case in [c for c in make_cases(cfg) if c.bench != "forward"]:
+            r = case_memory(cfg, configs, Path(workdir), case)
+            r["unit"] = case.unit
+            results["cases"].append(r)
+            print(
+                f"  {case.name:<24} peak {r['peak_bytes'] / GIB:.2f} GiB  ({r['seconds']:.1f} s)", flush=True
+            )
+            table = memory_table(results)
+            write_files(out, {"memory.json": json.dumps(results, indent=2) + "\n", "memory.md": table})
+    print("\n" + table, flush=True)
+    return results
