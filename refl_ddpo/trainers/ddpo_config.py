@@ -83,7 +83,8 @@ class DDPOConfig(CommonConfig):
     kl_weight: float = field_(
         0.0,
         "Weight of a KL penalty to the base model (LoRA switched off): the closed-form KL of the two Gaussian "
-        "DDIM steps per trained timestep, averaged per dimension like the log-probabilities. 0 = off.",
+        "steps (DDIM on SD 1.x; on SD3 Flow-GRPO's ||mean - mean_ref||^2 / (2 std_t^2)) per trained timestep, "
+        "averaged per dimension like the log-probabilities. 0 = off.",
         flags=("--beta",),
     )
     per_prompt_stat_tracking: bool = field_(

@@ -60,7 +60,6 @@ class GRPOConfig(DDPOConfig):
     output_dir: str = field_(
         "checkpoint/grpo_lora",
         "Where the final LoRA, its config.json and checkpoint-N/ go.",
-        group="run length and state",
     )
 
     def check(self) -> None:
