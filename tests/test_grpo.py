@@ -350,10 +350,12 @@ def test_flow_grpo_preset_and_flags():
 # ---- the shell script end to end ----
 
 
-def test_script_trains_in_groups_and_saves_a_lora(tiny_models, tmp_path):
+def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_models, tmp_path):
+    """Two CPU processes x 6 samples in groups of 4: group 1 spans both (rewards and group ids are gathered before
+    the advantages), with a shared x_T, an SDE window and beta; the processes end with identical weights."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", NUM_PROCESSES="2")
     flags = [
         "--pretrained_model",
         str(tiny_models / "stable-diffusion"),
@@ -366,11 +368,11 @@ def test_script_trains_in_groups_and_saves_a_lora(tiny_models, tmp_path):
         "--sample_num_steps",
         "4",
         "--sample_batch_size",
-        "4",
+        "3",
         "--sample_num_batches_per_epoch",
         "2",
         "--train_batch_size",
-        "4",
+        "3",
         "--group_size",
         "4",
         "--same_noise_per_group",
@@ -399,6 +401,7 @@ def test_script_trains_in_groups_and_saves_a_lora(tiny_models, tmp_path):
         check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "groups (prompts) per epoch: 2" in r.stdout and "samples per group: 4" in r.stdout
-    assert r.stdout.count("8 rewards from 1 process(es)") == 2 and "grpo/zero_std_groups" in r.stdout
+    assert "groups (prompts) per epoch: 3" in r.stdout and "samples per group: 4" in r.stdout
+    assert r.stdout.count("12 rewards from 2 process(es)") == 2 and "grpo/zero_std_groups" in r.stdout
     assert (out / LORA_WEIGHTS_NAME).is_file() and (out / "checkpoint-2").is_dir()
+    assert "weights identical on all 2 process(es)" in r.stdout
