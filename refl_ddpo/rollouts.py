@@ -1,5 +1,5 @@
 """Rollouts of the policy-gradient trainers: trajectories sampled with step log-probabilities, their rewards, and
-the per-epoch sample buffers (stacked, then shuffled per sample and per step). Shared by DDPO and the GRPO to come.
+the per-epoch sample buffers (stacked, then shuffled per sample and per step). Shared by DDPO and GRPO.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def sample_epoch(
     network=None,
     autocast=None,
     executor: ThreadPoolExecutor | None = None,
+    initial_noise: torch.Tensor | None = None,
+    sde_window: tuple[int, int] | None = None,
 ) -> list[SampleBatch]:
     """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
 
@@ -63,10 +65,15 @@ def sample_epoch(
     """
     autocast = autocast or nullcontext
     batches = []
-    for _ in range(num_batches):
+    window = slice(None) if sde_window is None else slice(sde_window[0], sum(sde_window))
+    for b in range(num_batches):
         prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size))))
         cond, _ = family.encode_prompts(prompts, with_negative=False)
-        noise = family.initial_noise(batch_size, resolution, generator, next(iter(cond.values())).dtype)
+        dtype = next(iter(cond.values())).dtype
+        if initial_noise is None:
+            noise = family.initial_noise(batch_size, resolution, generator, dtype)
+        else:
+            noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
         with autocast():
             from refl_ddpo.sampling import denoise
 
@@ -83,6 +90,7 @@ def sample_epoch(
                 with_logprob=True,
                 keep_trajectory=True,
                 network=network,
+                sde_steps=None if sde_window is None else range(*window.indices(num_steps)),
             )
             images = family.decode(out.latents)
         trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
@@ -96,10 +104,10 @@ def sample_epoch(
                 prompts=prompts,
                 prompt_metadata=metadata,
                 cond=cond,
-                timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1),
-                latents=trajectory[:, :-1],
-                next_latents=trajectory[:, 1:],
-                log_probs=torch.stack(out.log_probs, dim=1),
+                timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1)[:, window],
+                latents=trajectory[:, :-1][:, window],
+                next_latents=trajectory[:, 1:][:, window],
+                log_probs=torch.stack(out.log_probs, dim=1)[:, window],
                 images=images,
                 rewards=rewards,
             )
@@ -147,3 +155,20 @@ def shuffle_samples(
         v = out[key]
         out[key] = v[rows.to(v.device), time_perm.to(v.device)]
     return out
+
+
+# ---- GRPO's groups ----
+
+
+def epoch_groups(prompt_fn, num_groups: int, group_size: int) -> tuple[list[tuple[str, dict]], torch.Tensor]:
+    """The (prompt, metadata) of every sample of an epoch, over all processes: `num_groups` prompts from `prompt_fn`,
+    each repeated `group_size` times in a row, and each sample's group id (num_groups x group_size,). Process p takes
+    the p-th equal slice, so a group may be spread over processes; `prompt_fn` must be the same on all of them."""
+    prompts = [prompt_fn() for _ in range(num_groups)]
+    samples = [(p, dict(m)) for p, m in prompts for _ in range(group_size)]
+    return samples, torch.arange(num_groups).repeat_interleave(group_size)
+
+
+def draw_window_start(generator: torch.Generator, trainable_steps: int, window: int) -> int:
+    """A window's first step, uniform in [0, trainable_steps - window], from `generator`."""
+    return int(torch.randint(0, trainable_steps - window + 1, (1,), generator=generator))

@@ -42,13 +42,15 @@ def denoise(
     with_logprob: bool = False,
     keep_trajectory: bool = False,
     network=None,
+    sde_steps: Collection[int] | None = None,
 ) -> DenoiseOutput:
     """Run the sampler from `noise` for steps 0..stop_at (default: all), gradient only on `grad_steps`.
 
     CFG is on when `guidance_scale > 1` and `uncond` is given (one network call on the doubled batch, as the
     pipeline). `with_logprob` takes the family's stochastic step with log-probabilities (DDPO / GRPO); otherwise the
     scheduler's own `step` runs with `eta` / `generator` where it takes them. `network` replaces the family's own
-    (a DDP-wrapped copy while training).
+    (a DDP-wrapped copy while training). `sde_steps` (with `with_logprob`): only these steps are stochastic, the
+    others take the deterministic step (eta 0, the ODE step) and log-probability 0 (Flow-GRPO-Fast, MixGRPO).
     """
     # The steps index the schedule with host timesteps, the network takes them on its device (one copy here).
     host_timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
@@ -66,7 +68,10 @@ def denoise(
     for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps)):
         with torch.set_grad_enabled(grad_enabled and i in grad_steps):
             model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
-            if with_logprob:
+            if with_logprob and sde_steps is not None and i not in sde_steps:
+                latents, x0 = family.step(scheduler, model_output, t_host, latents, 0.0, None)
+                out.log_probs.append(torch.zeros(latents.shape[0], device=latents.device))
+            elif with_logprob:
                 latents, log_prob, x0 = family.step_with_logprob(
                     scheduler, model_output, t_host, latents, eta, generator
                 )

@@ -84,3 +84,35 @@ def compute_advantages(
     """Advantages (B,) float32 of gathered rewards: per prompt (tracker) or batch-normalised, then clipped."""
     advantages = tracker.update(prompts, rewards) if tracker is not None else batch_advantages(rewards)
     return advantages.clamp(-adv_clip_max, adv_clip_max).float()
+
+
+# ---- GRPO (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025) ----
+
+GROUP_STD_EPS = 1e-4  # Flow-GRPO's: (r - mean) / (std + 1e-4)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, global_std: bool, adv_clip_max: float
+) -> torch.Tensor:
+    """GRPO advantages (N,) float32 of gathered rewards (N,) and their groups (N,) int: (r - mean of r's group) /
+    (std + 1e-4), the population std of the group or, with `global_std`, of all N rewards; clipped to
+    [-adv_clip_max, adv_clip_max]. Groups need not be contiguous nor of equal size."""
+    if rewards.shape != group_ids.shape:
+        raise ValueError(f"{tuple(rewards.shape)} rewards but {tuple(group_ids.shape)} group ids")
+    values = rewards.detach().double().cpu()
+    _, inverse = torch.unique(group_ids.cpu(), return_inverse=True)  # group index 0..G-1 per sample
+    count = torch.bincount(inverse).double()  # (G,)
+    mean = torch.bincount(inverse, weights=values) / count  # (G,)
+    centred = values - mean[inverse]
+    if global_std:
+        std = values.std(unbiased=False)
+    else:
+        std = (torch.bincount(inverse, weights=centred**2) / count).sqrt()[inverse]
+    return (centred / (std + GROUP_STD_EPS)).clamp(-adv_clip_max, adv_clip_max).float()
+
+
+def zero_std_group_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
+    """Fraction of the groups whose rewards are all equal: with the group's mean subtracted they give no gradient."""
+    groups = torch.unique(group_ids)
+    flat = sum(bool((rewards[group_ids == g] == rewards[group_ids == g][0]).all()) for g in groups.tolist())
+    return flat / len(groups)

@@ -17,6 +17,9 @@ One epoch (the algorithm of ddpo-pytorch `scripts/train.py`, commit 1958463, wri
    accumulate over the trained timesteps and `train_gradient_accumulation_steps` micro-batches per optimizer step.
 
 DDPO-SF (the plain score-function estimator) is the configuration `--train_clip_range inf --train_num_inner_epochs 1`.
+GRPO (refl_ddpo.trainers.grpo, a `GRPOConfig`) is this loop with the epoch's prompts in groups (`epoch_groups`, one
+shared x_T per group with --same_noise_per_group), group advantages in step 3 and, with --sde_window, stochastic
+steps only in a window (drawn per epoch) that is all that step 4 trains on.
 All randomness of an epoch (prompts, noise, shuffles) comes from generators seeded by (seed, epoch, process), so a
 run resumed from `checkpoint-N` repeats epochs N+1... exactly as the uninterrupted run would.
 """
@@ -32,11 +35,26 @@ from typing import Any
 
 import torch
 
-from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages, ppo_clip_loss
+from refl_ddpo.algorithms.policy import (
+    PerPromptStatTracker,
+    compute_advantages,
+    group_advantages,
+    ppo_clip_loss,
+    zero_std_group_fraction,
+)
 from refl_ddpo.errors import UserError, cli_main
 from refl_ddpo.families import Cond, ModelFamily, cond_expand
-from refl_ddpo.rollouts import STEP_KEYS, collect_rewards, sample_epoch, shuffle_samples, stack_samples
+from refl_ddpo.rollouts import (
+    STEP_KEYS,
+    collect_rewards,
+    draw_window_start,
+    epoch_groups,
+    sample_epoch,
+    shuffle_samples,
+    stack_samples,
+)
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
+from refl_ddpo.trainers.grpo_config import GRPOConfig, group_sizes
 from refl_ddpo.training import seeded_generator, stream_seed
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
@@ -171,14 +189,14 @@ def train_on_samples(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def default_image_hook(accelerator) -> ImageSamplesHook:
+def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHook:
     """Log the newest batch as a captioned grid ('prompt | reward') to the trackers each epoch."""
     from refl_ddpo.training import log_image_grid
 
     def hook(prompt_image_data: list[list[Any]], global_step: int, tracker: Any) -> None:
         images, prompts, _, rewards, _ = prompt_image_data[-1]
         captions = [f"{p} | {r:.3g}" for p, r in zip(prompts, rewards.tolist())]
-        log_image_grid(accelerator, "ddpo/samples", images[:16], captions[:16], global_step)
+        log_image_grid(accelerator, tag, images[:16], captions[:16], global_step)
 
     return hook
 
@@ -213,11 +231,46 @@ def preflight(cfg: DDPOConfig) -> Path | None:
 
     check_pretrained_model(cfg.pretrained_model)
     check_reward_files(cfg.reward, cfg.reward_model_dir)
-    return start_run(cfg, "ddpo", "num_epochs")  # output_dir free or continued; the checkpoint fits
+    return start_run(cfg, cfg.ALGORITHM, "num_epochs")  # output_dir free or continued; the checkpoint fits
+
+
+def grouped_epoch(
+    cfg: GRPOConfig, family: ModelFamily, epoch: int, rank: int, num_processes: int, dtype: torch.dtype
+):
+    """GRPO's epoch plan, the same on every process: this process' prompt_fn (its slice of the groups), the group id
+    of each of its samples (N,), their initial noise (one x_T per group with --same_noise_per_group, else None),
+    and the SDE window (start, length) or None."""
+    from refl_ddpo.prompts import get_prompt_fn
+
+    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
+    num_groups = per_process * num_processes // cfg.group_size
+    prompt_fn = get_prompt_fn(  # one stream for all processes: every one of them draws the same groups
+        cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
+        seed=stream_seed(cfg.seed, epoch, 0, 3),
+    )
+    samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
+    mine = slice(rank * per_process, (rank + 1) * per_process)
+    local = iter(samples[mine])
+    noise = None
+    if cfg.same_noise_per_group:
+        group_noise = [
+            family.initial_noise(1, cfg.resolution, seeded_generator(cfg.seed, epoch, 4, g), dtype)
+            for g in range(num_groups)
+        ]
+        noise = torch.cat([group_noise[g] for g in group_ids[mine].tolist()])
+    window = None
+    if cfg.sde_window:
+        start = cfg.sde_window_start
+        if start is None:
+            last = cfg.sample_num_steps - cfg.train_skip_last_steps  # the window ends at or before this step
+            start = draw_window_start(seeded_generator(cfg.seed, epoch, 5), last, cfg.sde_window)
+        window = (start, cfg.sde_window)
+    return (lambda: next(local)), group_ids[mine], noise, window
 
 
 def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:
-    """Run DDPO as configured; returns the output folder (final LoRA + config.json at its top)."""
+    """Run DDPO (or GRPO, with a `GRPOConfig`) as configured; returns the output folder (final LoRA + config.json
+    at its top)."""
     from accelerate.utils import gather_object, set_seed
     from tqdm.auto import tqdm
 
@@ -237,6 +290,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     )
 
     resume = preflight(cfg)
+    name = cfg.ALGORITHM  # "ddpo" or "grpo": metric keys, trackers
+    grouped = isinstance(cfg, GRPOConfig)
     accelerator = make_accelerator(cfg, cfg.train_gradient_accumulation_steps * num_train_timesteps(cfg))
     main, rank = accelerator.is_main_process, accelerator.process_index
 
@@ -259,13 +314,14 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         if cfg.per_prompt_stat_tracking
         else None
     )
-    hook = image_samples_hook or default_image_hook(accelerator)
-    start_trackers(accelerator, cfg, "ddpo")
+    hook = image_samples_hook or default_image_hook(accelerator, f"{name}/samples")
+    start_trackers(accelerator, cfg, name)
     if main:
         print_config(
             cfg,
             {
                 **epoch_sizes(cfg, accelerator.num_processes),
+                **(group_sizes(cfg, accelerator.num_processes) if grouped else {}),
                 "processes": accelerator.num_processes,
                 "resume from": resume,
             },
@@ -286,7 +342,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
     bar = tqdm(
         range(first_epoch, cfg.num_epochs),
-        desc="DDPO epochs",
+        desc=f"{name.upper()} epochs",
         disable=not accelerator.is_local_main_process,
         initial=first_epoch,
         total=cfg.num_epochs,
@@ -295,10 +351,16 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         for epoch in bar:
             # ---- sampling (prompts, noise and shuffles seeded by (seed, epoch, process): resumable) ----
             network.eval()
-            prompt_fn = get_prompt_fn(
-                cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-                seed=stream_seed(cfg.seed, epoch, rank, 0),
-            )
+            initial_noise, window = None, None
+            if grouped:
+                prompt_fn, local_groups, initial_noise, window = grouped_epoch(
+                    cfg, family, epoch, rank, accelerator.num_processes, dtype
+                )
+            else:
+                prompt_fn = get_prompt_fn(
+                    cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
+                    seed=stream_seed(cfg.seed, epoch, rank, 0),
+                )
             batches = sample_epoch(
                 family,
                 scheduler,
@@ -315,6 +377,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                 network=network,
                 autocast=accelerator.autocast,
                 executor=executor,
+                initial_noise=initial_noise,
+                sde_window=window,
             )
             collect_rewards(batches)
 
@@ -324,12 +388,24 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             all_prompts = gather_object([p for b in batches for p in b.prompts])
             finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
             advantages = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
-            advantages[finite] = compute_advantages(
-                all_rewards[finite],
-                [p for p, ok in zip(all_prompts, finite.tolist()) if ok],
-                tracker,
-                cfg.train_adv_clip_max,
-            )
+            group_stats = {}
+            if grouped:
+                all_groups = accelerator.gather(local_groups.to(accelerator.device)).cpu()  # (P * N,)
+                advantages[finite] = group_advantages(
+                    all_rewards[finite], all_groups[finite], cfg.global_std, cfg.train_adv_clip_max
+                )
+                group_stats[f"{name}/zero_std_groups"] = zero_std_group_fraction(
+                    all_rewards[finite], all_groups[finite]
+                )
+                if window is not None:
+                    group_stats[f"{name}/sde_window_start"] = window[0]
+            else:
+                advantages[finite] = compute_advantages(
+                    all_rewards[finite],
+                    [p for p, ok in zip(all_prompts, finite.tolist()) if ok],
+                    tracker,
+                    cfg.train_adv_clip_max,
+                )
             advantages = advantages.reshape(accelerator.num_processes, -1)[rank]  # this process' samples
             parts = {
                 name: accelerator.gather(
@@ -338,11 +414,11 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                 for name, _ in parse_reward_spec(cfg.reward)
                 if name in batches[0].rewards[1]
             }
-            stats = reward_stats(cfg.reward, all_rewards[finite], parts)
+            stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **group_stats}
             dropped = len(all_rewards) - int(finite.sum())
             if cfg.nonfinite_rewards == "drop":
-                stats["ddpo/nonfinite_rewards_dropped"] = dropped
-            accelerator.log({**stats, "ddpo/epoch": epoch}, step=global_step)
+                stats[f"{name}/nonfinite_rewards_dropped"] = dropped
+            accelerator.log({**stats, f"{name}/epoch": epoch}, step=global_step)
             if main:
                 bar.write(
                     f"epoch {epoch + 1}/{cfg.num_epochs}: {len(all_rewards)} rewards from "
@@ -379,7 +455,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                         clip_range=cfg.train_clip_range,
                         kl_weight=cfg.kl_weight,
                         max_grad_norm=cfg.max_grad_norm,
-                        skip_last_steps=cfg.train_skip_last_steps,
+                        # a window's trajectory holds its steps only, all trainable
+                        skip_last_steps=0 if window is not None else cfg.train_skip_last_steps,
                     )
                 except FloatingPointError as e:
                     raise nonfinite_step_error(
@@ -389,7 +466,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                     ) from None
                 for info in steps:
                     accelerator.log(
-                        {f"ddpo/{k}": v for k, v in info.items()} | {"ddpo/inner_epoch": inner_epoch},
+                        {f"{name}/{k}": v for k, v in info.items()} | {f"{name}/inner_epoch": inner_epoch},
                         step=global_step,
                     )
                     global_step += 1

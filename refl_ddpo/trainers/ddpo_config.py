@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
@@ -16,6 +16,8 @@ from refl_ddpo.rewards import parse_reward_spec
 @dataclass
 class DDPOConfig(CommonConfig):
     """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+
+    ALGORITHM: ClassVar[str] = "ddpo"  # the trainer's name: run.json, trackers, metric keys (ddpo/loss ...)
 
     preset: str | None = field_(
         None,
@@ -59,7 +61,9 @@ class DDPOConfig(CommonConfig):
     )
     train_num_inner_epochs: int = field_(1, "Passes over each epoch's samples (PPO inner epochs).")
     train_timestep_fraction: float = field_(
-        1.0, "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1]."
+        1.0,
+        "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1].",
+        flags=("--timestep_fraction",),
     )
     train_skip_last_steps: int = field_(
         0,
@@ -79,7 +83,9 @@ class DDPOConfig(CommonConfig):
     kl_weight: float = field_(
         0.0,
         "Weight of a KL penalty to the base model (LoRA switched off): the closed-form KL of the two Gaussian "
-        "DDIM steps per trained timestep, averaged per dimension like the log-probabilities. 0 = off.",
+        "steps (DDIM on SD 1.x; on SD3 Flow-GRPO's ||mean - mean_ref||^2 / (2 std_t^2)) per trained timestep, "
+        "averaged per dimension like the log-probabilities. 0 = off.",
+        flags=("--beta",),
     )
     per_prompt_stat_tracking: bool = field_(
         True,
@@ -205,8 +211,8 @@ class DDPOConfig(CommonConfig):
             )
         if num_train_timesteps(self) < 1:
             raise UserError(
-                f"--train_timestep_fraction {self.train_timestep_fraction} x --sample_num_steps "
-                f"{self.sample_num_steps} trains on no step: raise one of them."
+                f"--train_timestep_fraction {self.train_timestep_fraction} x {self.trainable_steps_name()} "
+                f"{self.trainable_steps()} trains on no step: raise one of them."
             )
         if not self.train_clip_range >= 0:
             raise UserError(f"--train_clip_range must be >= 0 or inf (got {self.train_clip_range}).")
@@ -219,10 +225,10 @@ class DDPOConfig(CommonConfig):
                 "buffer could never hold enough rewards; make the buffer at least min_count."
             )
         if self.kl_weight < 0:
-            raise UserError(f"--kl_weight must be >= 0 (got {self.kl_weight}).")
+            raise UserError(f"--kl_weight (--beta) must be >= 0 (got {self.kl_weight}).")
         if self.kl_weight > 0 and not self.use_lora:
             raise UserError(
-                "--kl_weight needs --use_lora: the base model is the UNet with the LoRA switched off."
+                "--kl_weight (--beta) needs --use_lora: the base model is the UNet with the LoRA switched off."
             )
         parse_reward_spec(self.reward)  # unknown names and bad weights fail here, before any model is loaded
         if self.prompt_fn == "from_file":
@@ -234,6 +240,17 @@ class DDPOConfig(CommonConfig):
                 f"--prompt_fn {self.prompt_fn} and --prompts_file both name the prompts: drop one "
                 "(a prompts file alone means --prompt_fn from_file)."
             )
+
+    def trainable_steps(self) -> int:
+        """Steps of each trajectory that may be trained on (the fraction is of these)."""
+        return self.sample_num_steps - self.train_skip_last_steps
+
+    def trainable_steps_name(self) -> str:
+        return (
+            "(--sample_num_steps - --train_skip_last_steps)"
+            if self.train_skip_last_steps
+            else "--sample_num_steps"
+        )
 
 
 DDPO_ALIASES = {
@@ -317,8 +334,8 @@ DDPOConfig.PRESETS = DDPO_PRESETS
 
 def num_train_timesteps(cfg: DDPOConfig) -> int:
     """Steps trained per sample and inner epoch (ddpo-pytorch: int(num_steps * timestep_fraction)), of the steps
-    not skipped by --train_skip_last_steps."""
-    return int((cfg.sample_num_steps - cfg.train_skip_last_steps) * cfg.train_timestep_fraction)
+    not skipped by --train_skip_last_steps (GRPO: of its SDE window's steps)."""
+    return int(cfg.trainable_steps() * cfg.train_timestep_fraction)
 
 
 def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:

@@ -1,0 +1,38 @@
+"""GRPO (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470; DanceGRPO, Xue et al. 2025) with LoRA: DDPO's loop
+(refl_ddpo.trainers.ddpo) run with a `GRPOConfig`.
+
+    bash train_scripts/train_grpo.sh [--preset toy_world|flow_grpo_sd35m] [--flag ...]
+
+What differs from DDPO, per epoch:
+
+1. sampling: num_groups = images per epoch / --group_size prompts are drawn from one stream shared by all processes,
+   each repeated --group_size times; process p samples the p-th slice (a group may span processes). With
+   --same_noise_per_group every sample of a group starts from the group's x_T (DanceGRPO). With --sde_window W only
+   W consecutive steps (starting at --sde_window_start, or drawn per epoch) are stochastic; the others are
+   deterministic (DDIM eta 0 / the flow ODE step) and never trained on (Flow-GRPO-Fast, MixGRPO);
+2. advantages: rewards and group ids are gathered over processes; A = (r - mean of the group) / (std + 1e-4), the
+   group's std or with --global_std the whole epoch's, clipped to +-train_adv_clip_max (refl_ddpo.algorithms.policy
+   .group_advantages); the fraction of groups whose rewards are all equal is logged as grpo/zero_std_groups;
+3. training: DDPO's PPO-clip on per-step ratios, plus --beta (= --kl_weight) times the KL of each trained step to the
+   base model (LoRA switched off), in mean space: ||mean - mean_ref||^2 / (2 std_t^2) (family.step_kl).
+"""
+
+from __future__ import annotations
+
+from refl_ddpo.errors import cli_main
+from refl_ddpo.trainers.ddpo import preflight, train
+from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+__all__ = ["GRPOConfig", "main", "preflight", "train"]
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> None:
+    from refl_ddpo.config import parse_config
+    from refl_ddpo.training import run_or_preflight
+
+    run_or_preflight(train, parse_config(GRPOConfig, argv, description=__doc__), preflight)
+
+
+if __name__ == "__main__":
+    main()
