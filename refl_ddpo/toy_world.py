@@ -57,6 +57,7 @@ CLEAN_THRESHOLD = 60.0
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "toy_world"
 SD_DIRNAME = "toy-sd"
+SD3_DIRNAME = "toy-sd3"
 CLASSIFIER_NAME = "toy_classifier"
 SUMS_NAME = "SHA256SUMS"
 
