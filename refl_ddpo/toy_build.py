@@ -1,9 +1,10 @@
 """Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
 `torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
 differ in the last bits, which is why the built weights are committed (toy_world.DATA_DIR, see
-refl_ddpo.toy_world). Slow: about 20 minutes on one core (VAE 6, UNet 10, classifier 5-9).
+refl_ddpo.toy_world). Slow: about 35 minutes on one core (VAE 6, UNet 10, classifier 5-9, MMDiT 12-15).
 
-    python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy_classifier.{safetensors,json}, SHA256SUMS
+    python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
+    python -m refl_ddpo.toy_build OUT --sd3_from refl_ddpo/data/toy_world/toy-sd   # only OUT/toy-sd3/ (+ sums)
 
 Models:
     VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
@@ -15,6 +16,14 @@ Models:
                 clean, trained model's colour accuracy is about 50 %.
     classifier  ToyClassifier (refl_ddpo.toy_world), trained on rendered images with noise, blur, colour jitter and
                 VAE round trips.
+  toy-sd3/ (StableDiffusion3Pipeline, the same world):
+    VAE         the toy SD 1.x VAE's weights, with shift_factor 0 (SD3's pipeline decodes z / scaling + shift; it
+                takes the VAE's channel count from the transformer's in_channels, so 4 channels do)
+    text        two random, frozen CLIPTextModelWithProjection (32 wide, pooled projections 32), no T5 (the pipeline
+                pads the context with 256 zero tokens in its place)
+    MMDiT       SD3Transformer2DModel, patch 2 (8 x 8 tokens), SD3_LAYERS joint blocks 64 wide, trained by flow
+                matching as SD3 (logit-normal sigmas through the scheduler's shift SD3_SHIFT, velocity z - x0) on the
+                same latents, captions, colour confusion and empty prompts as the UNet; FlowMatchEulerDiscreteScheduler.
 """
 
 from __future__ import annotations
