@@ -426,16 +426,19 @@ def generate(
     sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guidance: float = 7.5, batch: int = 72
 ) -> tuple[torch.Tensor, list[str]]:
     """Images [N, 3, 32, 32] in [0, 1] from the stock pipeline of `sd_dir` (StableDiffusionPipeline with DDIM, eta 0;
-    StableDiffusion3Pipeline with its flow-matching Euler sampler), for every (seed, prompt), with one CPU generator
-    per image seeded `seed`; and the matching prompts."""
-    from diffusers import DDIMScheduler, DiffusionPipeline, StableDiffusionPipeline
+    StableDiffusion3Pipeline, loaded with text_encoder_3=None, with its flow-matching Euler sampler), for every (seed,
+    prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(str(sd_dir))
+    from refl_ddpo.models import load_pipeline
+
+    pipe = load_pipeline(
+        str(sd_dir)
+    )  # the stock class of model_index.json (no safety checker; no T5 if absent)
     extra = {}
     if isinstance(pipe, StableDiffusionPipeline):
         pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
         extra["eta"] = 0.0
-    pipe.set_progress_bar_config(disable=True)
     jobs = [(s, p) for s in seeds for p in prompts]
     out = []
     for i in range(0, len(jobs), batch):
