@@ -21,6 +21,7 @@ from refl_ddpo.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = toy_world.DATA_DIR / toy_world.SD_DIRNAME
+MODEL_SD3 = toy_world.DATA_DIR / toy_world.SD3_DIRNAME
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,9 +32,11 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def held_out_accuracy(lora_dir: Path | None = None) -> float:
-    family = load_family(str(MODEL))
-    family.pipe.scheduler = family.scheduler("DDIMScheduler")
+def held_out_accuracy(lora_dir: Path | None = None, model: Path = MODEL) -> float:
+    """At the evaluation defaults (20 steps, CFG 7.5): DDIM eta 0 on SD 1.x, the folder's flow-matching Euler on SD3."""
+    family = load_family(str(model))
+    if family.name == "sd":
+        family.pipe.scheduler = family.scheduler("DDIMScheduler")
     if lora_dir is not None:
         load_lora_into_pipeline(family.pipe, lora_dir)
     return toy_world.evaluate(family)["accuracy"]
@@ -44,7 +47,7 @@ def base_accuracy() -> float:
     return held_out_accuracy()
 
 
-def _train(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
+def _train(script: str, out: Path, *flags: str, preset: str = "toy_world") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
     env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     return subprocess.run(
@@ -52,7 +55,7 @@ def _train(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
             "bash",
             f"train_scripts/{script}",
             "--preset",
-            "toy_world",
+            preset,
             "--output_dir",
             str(out),
             "--device",
@@ -71,7 +74,9 @@ def _train(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 def _check_only_the_lora_changed(out: Path) -> None:
-    assert len(toy_world.verify_sums(toy_world.DATA_DIR)) == 12, "the committed base weights must not change"
+    assert len(toy_world.verify_sums(toy_world.DATA_DIR)) == N_COMMITTED, (
+        "the committed weights must not change"
+    )
     lora = load_file(str(out / LORA_WEIGHTS_NAME))
     ups = [v for k, v in lora.items() if "lora.up" in k or "lora_B" in k]
     assert ups and all(v.abs().sum() > 0 for v in ups), "every LoRA B matrix moved off its zero init"
@@ -85,4 +90,26 @@ def test_refl_raises_held_out_colour_accuracy(tmp_path, base_accuracy):
     assert after - base_accuracy >= REFL_MARGIN, (base_accuracy, after)
 
 
+N_COMMITTED = 26  # files listed in SHA256SUMS: toy-sd/ 10, toy-sd3/ 14, the classifier 2
 REFL_MARGIN = 0.12  # measured gains over 5 seeds: +0.25 to +0.42 (mean +0.30, std 0.07)
+
+
+@pytest.mark.skip(
+    reason="no SD3 ReFL recipe learns yet: toy_world_sd3 held-out gains over seeds 0-3 are +0.17, -0.06, 0.00, "
+    "-0.02 (README, The toy world)"
+)
+def test_refl_raises_held_out_colour_accuracy_sd3(tmp_path):
+    """The same on the SD3 toy model (an MMDiT trained by flow matching), `--preset toy_world_sd3`: the family's LoRA
+    targets (the joint blocks' image and text projections), predicted x0 = x_t - sigma v at the grad step."""
+    r = _train("train_refl_lora.sh", tmp_path / "refl", *REFL_SD3_FLAGS, preset="toy_world_sd3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_only_the_lora_changed(tmp_path / "refl")
+    after = held_out_accuracy(tmp_path / "refl", MODEL_SD3)
+    assert after - REFL_SD3_BASE >= REFL_SD3_MARGIN, (REFL_SD3_BASE, after)
+
+
+REFL_SD3_FLAGS = ()  # the preset's 160 steps of 8
+REFL_SD3_BASE = (
+    0.5  # held_out_accuracy(model=MODEL_SD3) of the committed weights (computed once: saves ~40 s)
+)
+REFL_SD3_MARGIN = 0.12  # as SD 1.x's; to be set from the 5-seed spread once a recipe learns reliably

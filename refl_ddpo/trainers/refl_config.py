@@ -239,6 +239,7 @@ REFL_PRESETS: dict[str, dict] = {
 }
 # The same world as SD3 (toy-sd3: an MMDiT trained by flow matching; LoRA on the family's targets, the joint blocks'
 # image and text projections): the toy_world recipe with a higher learning rate (1e-3 barely moves it in 160 steps).
+# Not a working recipe yet: held-out gains over seeds 0-3 are +0.17, -0.06, 0.00, -0.02 (README, The toy world).
 REFL_PRESETS["toy_world_sd3"] = {
     **REFL_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
