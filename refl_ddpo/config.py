@@ -199,8 +199,10 @@ class CommonConfig(ConfigBase):
     )
     lora_rank: int = field_(4, "LoRA rank r.")
     lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.", gt=0)
-    lora_target_modules: list[str] = field_(
-        ["to_q", "to_k", "to_v", "to_out.0"], "Module names of the network that get LoRA adapters."
+    lora_target_modules: list[str] | None = field_(
+        None,
+        "Module names of the network that get LoRA adapters; default: the model family's (SD 1.x/2.x: to_q to_k "
+        "to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out).",
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",
@@ -237,7 +239,7 @@ class CommonConfig(ConfigBase):
             self.check_positive("resolution")
         if self.checkpointing_steps < 0:
             raise UserError("--checkpointing_steps must be >= 0 (0 turns periodic checkpoints off).")
-        if not self.lora_target_modules:
+        if self.lora_target_modules is not None and not self.lora_target_modules:
             raise UserError("--lora_target_modules is empty: name at least one module (e.g. to_q to_k).")
         check_train_device(self.device)
 

@@ -25,10 +25,11 @@ all equally noisy (JPEG sizes within a few bytes of each other), and no policy g
     python -m refl_ddpo.tiny OUT --toy_world
 
 also writes the toy world (refl_ddpo.toy_world: coloured shapes on grey, prompts "a {colour} {shape}"):
-OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect) and
+OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect), OUT/toy-sd3/ (the same world
+as a tiny SD3: an MMDiT trained by flow matching, two CLIPs, no T5) and
 OUT/toy_classifier.{safetensors,json} (the toy_classifier reward's CNN), copied from the weights committed under
 toy_world.DATA_DIR after checking their SHA256SUMS (a mismatch exits 2). `--rebuild_toy_world` trains them
-from scratch instead (refl_ddpo.toy_build; about 20 minutes on one core; same weights only on the same CPU kind).
+from scratch instead (refl_ddpo.toy_build; about 35 minutes on one core; same weights only on the same CPU kind).
 """
 
 from __future__ import annotations
@@ -327,8 +328,8 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
 
 
 def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
-    """OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json}: the committed toy world (checked against SHA256SUMS),
-    or retrained from scratch with `rebuild`. Returns OUT/toy-sd."""
+    """OUT/toy-sd/, OUT/toy-sd3/ and OUT/toy_classifier.{safetensors,json}: the committed toy world (checked against
+    SHA256SUMS), or retrained from scratch with `rebuild`. Returns OUT/toy-sd."""
     from refl_ddpo import toy_world
 
     return toy_world.write_toy_world(out, rebuild=rebuild)
@@ -349,14 +350,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--toy_world",
         action="store_true",
-        help="Also write the toy world: OUT/toy-sd/ and OUT/toy_classifier.{safetensors,json} "
+        help="Also write the toy world: OUT/toy-sd/, OUT/toy-sd3/ and OUT/toy_classifier.{safetensors,json} "
         "(copied from the committed, checksummed weights).",
     )
     parser.add_argument(
         "--rebuild_toy_world",
         action="store_true",
         help="With --toy_world (implied): retrain the toy world from scratch instead of copying "
-        "(slow, about 20 minutes on one core).",
+        "(slow, about 35 minutes on one core).",
     )
     args = parser.parse_args(argv)
     if args.denoiser_steps < 0:
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         f"tiny random models written to {out} (random weights: outputs are noise, for tests and demos only)"
     )
     if args.toy_world or args.rebuild_toy_world:
+        from refl_ddpo import toy_world
         from refl_ddpo.errors import UserError
 
         try:
@@ -373,7 +375,10 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(e.exit_code)
-        print(f"toy world written: {sd} and {out / 'toy_classifier.safetensors'}")
+        print(
+            f"toy world written: {sd}, {sd.parent / toy_world.SD3_DIRNAME} and "
+            f"{out / 'toy_classifier.safetensors'}"
+        )
 
 
 if __name__ == "__main__":

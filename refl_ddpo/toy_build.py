@@ -1,9 +1,10 @@
 """Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
 `torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
 differ in the last bits, which is why the built weights are committed (toy_world.DATA_DIR, see
-refl_ddpo.toy_world). Slow: about 20 minutes on one core (VAE 6, UNet 10, classifier 5-9).
+refl_ddpo.toy_world). Slow: about 35 minutes on one core (VAE 6, UNet 10, classifier 5-9, MMDiT 12-15).
 
-    python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy_classifier.{safetensors,json}, SHA256SUMS
+    python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
+    python -m refl_ddpo.toy_build OUT --sd3_from refl_ddpo/data/toy_world/toy-sd   # only OUT/toy-sd3/ (+ sums)
 
 Models:
     VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
@@ -15,6 +16,14 @@ Models:
                 clean, trained model's colour accuracy is about 50 %.
     classifier  ToyClassifier (refl_ddpo.toy_world), trained on rendered images with noise, blur, colour jitter and
                 VAE round trips.
+  toy-sd3/ (StableDiffusion3Pipeline, the same world):
+    VAE         the toy SD 1.x VAE's weights, with shift_factor 0 (SD3's pipeline decodes z / scaling + shift; it
+                takes the VAE's channel count from the transformer's in_channels, so 4 channels do)
+    text        two random, frozen CLIPTextModelWithProjection (32 wide, pooled projections 32), no T5 (the pipeline
+                pads the context with 256 zero tokens in its place)
+    MMDiT       SD3Transformer2DModel, patch 2 (8 x 8 tokens), SD3_LAYERS joint blocks 64 wide, trained by flow
+                matching as SD3 (logit-normal sigmas through the scheduler's shift SD3_SHIFT, velocity z - x0) on the
+                same latents, captions, colour confusion and empty prompts as the UNet; FlowMatchEulerDiscreteScheduler.
 """
 
 from __future__ import annotations
@@ -22,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +59,11 @@ CONFUSABLE = {
 }
 CONFUSE_P = 0.5
 TEXT_HIDDEN = 64
+# SD3: an MMDiT trained by flow matching on the same VAE latents, captions and confusion
+SD3_STEPS, SD3_BATCH, SD3_LR = 1200, 16, 1e-3
+SD3_LAYERS = 3
+SD3_TEXT_HIDDEN = 32
+SD3_SHIFT = 3.0
 
 
 def deterministic() -> None:
@@ -117,33 +130,31 @@ def vae_round_trip(vae, images_unit: torch.Tensor, generator: torch.Generator | 
     return (vae.decode(z).sample / 2 + 0.5).clamp(0, 1)
 
 
-def make_text(seed: int = SEED, folder: Path | None = None):
-    """(tokenizer, text encoder): the tiny char-level CLIP tokenizer of refl_ddpo.tiny, random CLIP text model."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+def make_text(seed: int = SEED, with_projection: bool = False, hidden: int = TEXT_HIDDEN):
+    """(tokenizer, text encoder): the tiny char-level CLIP tokenizer of refl_ddpo.tiny and a random, frozen CLIP
+    text model `hidden` wide (SD 1.x's CLIPTextModel; `with_projection`: SD3's CLIPTextModelWithProjection, its
+    pooled projection as wide as its hidden states)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from refl_ddpo.tiny import _byte_level_vocab
+    from refl_ddpo.tiny import clip_tokenizer
 
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
-        (Path(d) / "merges.txt").write_text("#version: 0.2\n")
-        tokenizer = CLIPTokenizer(
-            str(Path(d) / "vocab.json"),
-            str(Path(d) / "merges.txt"),
-            model_max_length=77,
-            pad_token="<|endoftext|>",
-        )
+    tokenizer = clip_tokenizer()
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    # SD 1.x's config keeps CLIPTextConfig's default projection_dim (as committed)
+    projection = {"projection_dim": hidden} if with_projection else {}
+    text_encoder = cls(
         CLIPTextConfig(
             vocab_size=len(tokenizer),
-            hidden_size=TEXT_HIDDEN,
-            intermediate_size=2 * TEXT_HIDDEN,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
             num_hidden_layers=2,
             num_attention_heads=4,
             max_position_embeddings=77,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            **projection,
         )
     )
     return tokenizer, text_encoder.eval().requires_grad_(False)
@@ -184,6 +195,50 @@ def make_pipeline(vae, tokenizer, text_encoder, unet):
     )
 
 
+def _captions(prompts: list[str], g: torch.Generator) -> torch.Tensor:
+    """Indices into PROMPTS + [""] of the training captions of images drawing `prompts`: each colour word replaced by
+    its CONFUSABLE partner with probability CONFUSE_P, then the caption by "" with probability EMPTY_PROMPT_P."""
+    index = {p: i for i, p in enumerate(tw.PROMPTS)}
+    swap = (torch.rand(len(prompts), generator=g) < CONFUSE_P).tolist()
+    captions = []
+    for p, sw in zip(prompts, swap):
+        colour, shape = tw.parse_prompt(p)
+        captions.append(f"a {CONFUSABLE[colour]} {shape}" if sw else p)
+    idx = torch.tensor([index[p] for p in captions])
+    return torch.where(torch.rand(len(prompts), generator=g) < EMPTY_PROMPT_P, len(tw.PROMPTS), idx)
+
+
+def _fit(network, steps: int, lr: float, desc: str, loss_fn, callback=None) -> None:
+    """AdamW on all of `network` for `steps` steps of `loss_fn()`; lr: 50 warm-up steps, then cosine decay to 10 %.
+    `callback(step, network)` after each step."""
+    from tqdm.auto import tqdm
+
+    network.train().requires_grad_(True)
+    opt = torch.optim.AdamW(network.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min((i + 1) / 50, 0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps))
+    )
+    for step in tqdm(range(steps), desc=desc, leave=False):
+        loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if callback is not None:
+            callback(step + 1, network)
+    network.eval().requires_grad_(False)
+
+
+def _world_latents(vae, batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latents x0 of `batch` rendered images: posterior samples, (z - shift_factor) * scaling_factor; their
+    training caption indices, see `_captions`)."""
+    images, prompts = tw.random_batch(batch, g)
+    with torch.no_grad():
+        z = vae.encode(to_unit(images) * 2 - 1).latent_dist.sample(generator=g)
+    x0 = (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+    return x0, _captions(prompts, g)
+
+
 def train_unet(
     pipe,
     steps: int = UNET_STEPS,
@@ -192,47 +247,116 @@ def train_unet(
     lr: float = UNET_LR,
     callback=None,
 ) -> None:
-    """Epsilon-prediction training of `pipe.unet` on VAE latents (posterior samples x scaling_factor) of rendered
-    images of all 18 prompts, each caption's colour word replaced by its CONFUSABLE partner with probability
-    CONFUSE_P, and the caption by "" with probability EMPTY_PROMPT_P; lr: 50 warm-up steps, then cosine decay to
-    10 %. `callback(step, unet)` after each step."""
+    """Epsilon-prediction training of `pipe.unet` on VAE latents of rendered images of all 18 prompts, with the
+    captions of `_captions` (colour words confused, empty prompts); lr as `_fit`. `callback(step, unet)` after each
+    step."""
     from diffusers import DDPMScheduler
-    from tqdm.auto import tqdm
 
     noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
     g = torch.Generator().manual_seed(seed + 200)
     with torch.no_grad():
         conds = pipe.encode_prompt(list(tw.PROMPTS) + [""], "cpu", 1, False)[0]  # (19, 77, D)
-    index = {p: i for i, p in enumerate(tw.PROMPTS)}
-    vae, unet, sf = pipe.vae, pipe.unet, pipe.vae.config.scaling_factor
-    unet.train().requires_grad_(True)
-    opt = torch.optim.AdamW(unet.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min((i + 1) / 50, 0.55 + 0.45 * math.cos(math.pi * min(i, steps) / steps))
-    )
-    for step in tqdm(range(steps), desc="toy UNet", leave=False):
-        images, prompts = tw.random_batch(batch, g)
-        with torch.no_grad():
-            x0 = vae.encode(to_unit(images) * 2 - 1).latent_dist.sample(generator=g) * sf
-        swap = (torch.rand(batch, generator=g) < CONFUSE_P).tolist()
-        captions = []
-        for p, sw in zip(prompts, swap):
-            colour, shape = tw.parse_prompt(p)
-            captions.append(f"a {CONFUSABLE[colour]} {shape}" if sw else p)
-        idx = torch.tensor([index[p] for p in captions])
-        idx = torch.where(torch.rand(batch, generator=g) < EMPTY_PROMPT_P, len(tw.PROMPTS), idx)
+
+    def loss_fn():
+        x0, idx = _world_latents(pipe.vae, batch, g)
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), generator=g)
-        pred = unet(
-            noise_scheduler.add_noise(x0, noise, t), t, encoder_hidden_states=conds[idx], return_dict=False
+        noisy = noise_scheduler.add_noise(x0, noise, t)
+        pred = pipe.unet(noisy, t, encoder_hidden_states=conds[idx], return_dict=False)[0]
+        return F.mse_loss(pred, noise)
+
+    _fit(pipe.unet, steps, lr, "toy UNet", loss_fn, callback)
+
+
+# ---- SD3: an MMDiT on the same world, by flow matching ----
+
+
+def make_transformer(seed: int = SEED):
+    """SD3Transformer2DModel on the toy VAE's 16 x 16 x 4 latents: patch 2 (8 x 8 tokens), SD3_LAYERS joint blocks
+    64 wide (4 heads of 16), the two CLIPs' hidden states side by side as its context (2 x SD3_TEXT_HIDDEN)."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed + 5)
+    return SD3Transformer2DModel(
+        sample_size=tw.SIZE // 2,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=SD3_LAYERS,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        caption_projection_dim=64,  # = num_attention_heads * attention_head_dim
+        joint_attention_dim=2 * SD3_TEXT_HIDDEN,
+        pooled_projection_dim=2 * SD3_TEXT_HIDDEN,
+        pos_embed_max_size=tw.SIZE // 2,
+    )
+
+
+def sd3_vae(sd_dir: Path):
+    """The toy SD 1.x VAE (from `sd_dir`/vae) as SD3's pipeline reads it: 4 latent channels, shift_factor 0."""
+    from safetensors.torch import load_file
+
+    vae = make_vae()
+    config = json.loads((Path(sd_dir) / "vae" / "config.json").read_text())
+    vae.load_state_dict(load_file(str(Path(sd_dir) / "vae" / "diffusion_pytorch_model.safetensors")))
+    vae.register_to_config(scaling_factor=config["scaling_factor"], shift_factor=0.0)
+    return vae.eval().requires_grad_(False)
+
+
+def make_sd3_pipeline(vae, seed: int = SEED):
+    """StableDiffusion3Pipeline: `vae`, a fresh MMDiT (`make_transformer`), two random frozen CLIPs with projection
+    (SD3_TEXT_HIDDEN wide, seeds apart), no T5, FlowMatchEulerDiscreteScheduler with shift SD3_SHIFT."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    tokenizer, text_encoder = make_text(seed + 10, with_projection=True, hidden=SD3_TEXT_HIDDEN)
+    tokenizer_2, text_encoder_2 = make_text(seed + 11, with_projection=True, hidden=SD3_TEXT_HIDDEN)
+    return StableDiffusion3Pipeline(
+        transformer=make_transformer(seed),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=None,
+        tokenizer_3=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=SD3_SHIFT),
+    )
+
+
+def train_transformer(
+    pipe,
+    steps: int = SD3_STEPS,
+    seed: int = SEED,
+    batch: int = SD3_BATCH,
+    lr: float = SD3_LR,
+    callback=None,
+) -> None:
+    """Flow-matching training of `pipe.transformer` as SD3's (diffusers' train_dreambooth_sd3, logit-normal
+    weighting): u ~ sigmoid(N(0, 1)), sigma = the scheduler's shift of u (shift u / (1 + (shift - 1) u)),
+    x_sigma = (1 - sigma) x0 + sigma z, target velocity z - x0, timestep 1000 sigma; latents and captions as the
+    UNet's (`_world_latents`); lr as `_fit`."""
+    g = torch.Generator().manual_seed(seed + 500)
+    shift = pipe.scheduler.config.shift
+    n_train = pipe.scheduler.config.num_train_timesteps
+    with torch.no_grad():  # the pipeline's own encoding (both CLIPs, zero T5 tokens), the empty prompt last
+        embeds, _, pooled, _ = pipe.encode_prompt(list(tw.PROMPTS) + [""], None, None, device="cpu")
+
+    def loss_fn():
+        x0, idx = _world_latents(pipe.vae, batch, g)
+        noise = torch.randn(x0.shape, generator=g)
+        u = torch.sigmoid(torch.randn(batch, generator=g))
+        sigma = shift * u / (1 + (shift - 1) * u)
+        s = sigma.view(-1, 1, 1, 1)
+        v = pipe.transformer(
+            hidden_states=(1 - s) * x0 + s * noise,
+            timestep=sigma * n_train,
+            encoder_hidden_states=embeds[idx],
+            pooled_projections=pooled[idx],
+            return_dict=False,
         )[0]
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(pred, noise).backward()
-        opt.step()
-        sched.step()
-        if callback is not None:
-            callback(step + 1, unet)
-    unet.eval().requires_grad_(False)
+        return F.mse_loss(v, noise - x0)
+
+    _fit(pipe.transformer, steps, lr, "toy MMDiT", loss_fn, callback)
 
 
 def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -301,13 +425,20 @@ def classifier_accuracy(model, images_unit: torch.Tensor, prompts: list[str]) ->
 def generate(
     sd_dir, prompts: list[str], seeds: list[int], steps: int = 50, guidance: float = 7.5, batch: int = 72
 ) -> tuple[torch.Tensor, list[str]]:
-    """Images [N, 3, 32, 32] in [0, 1] from the stock StableDiffusionPipeline (DDIM, eta 0) loaded from `sd_dir`, for
-    every (seed, prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
+    """Images [N, 3, 32, 32] in [0, 1] from the stock pipeline of `sd_dir` (StableDiffusionPipeline with DDIM, eta 0;
+    StableDiffusion3Pipeline, loaded with text_encoder_3=None, with its flow-matching Euler sampler), for every (seed,
+    prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(str(sd_dir), safety_checker=None)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
+    from refl_ddpo.models import load_pipeline
+
+    pipe = load_pipeline(
+        str(sd_dir)
+    )  # the stock class of model_index.json (no safety checker; no T5 if absent)
+    extra = {}
+    if isinstance(pipe, StableDiffusionPipeline):
+        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+        extra["eta"] = 0.0
     jobs = [(s, p) for s in seeds for p in prompts]
     out = []
     for i in range(0, len(jobs), batch):
@@ -320,9 +451,9 @@ def generate(
                 width=tw.SIZE,
                 num_inference_steps=steps,
                 guidance_scale=guidance,
-                eta=0.0,
                 generator=gens,
                 output_type="pt",
+                **extra,
             ).images
         )
     return torch.cat(out).float().cpu(), [p for _, p in jobs]
@@ -335,6 +466,7 @@ def report(sd_dir, seeds=(1000, 1001, 1002, 1003), steps: int = 50, guidance: fl
     held = torch.tensor([p in tw.HELDOUT_PROMPTS for p in prompts])
     ok, dirty = res["colour_ok"].float(), res["dirty"]
     return {
+        "model": Path(sd_dir).name,
         "steps": steps,
         "guidance": guidance,
         "n": len(prompts),
@@ -345,10 +477,26 @@ def report(sd_dir, seeds=(1000, 1001, 1002, 1003), steps: int = 50, guidance: fl
     }
 
 
+def build_toy_sd3(out: str | Path, sd_dir: str | Path, seed: int = SEED, steps: int = SD3_STEPS) -> Path:
+    """Train the SD3 toy model on the toy SD 1.x VAE of `sd_dir` (its weights, shift_factor 0) and write
+    OUT/toy-sd3/; returns it."""
+    deterministic()
+    t0 = time.time()
+    pipe = make_sd3_pipeline(sd3_vae(Path(sd_dir)), seed)
+    train_transformer(pipe, steps, seed)
+    pipe.save_pretrained(Path(out) / tw.SD3_DIRNAME, safe_serialization=True)
+    _log(f"MMDiT trained {steps} steps ({time.time() - t0:.0f} s)")
+    return Path(out) / tw.SD3_DIRNAME
+
+
 def build_toy_world(
-    out: str | Path, seed: int = SEED, unet_steps: int = UNET_STEPS, sums: bool = False
+    out: str | Path,
+    seed: int = SEED,
+    unet_steps: int = UNET_STEPS,
+    sums: bool = False,
+    sd3_steps: int = SD3_STEPS,
 ) -> Path:
-    """Train everything and write OUT/toy-sd/, OUT/toy_classifier.{safetensors,json} (and with `sums`
+    """Train everything and write OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.{safetensors,json} (and with `sums`
     OUT/SHA256SUMS of every file under OUT, as committed in toy_world.DATA_DIR). Returns OUT/toy-sd."""
     deterministic()
     out = Path(out)
@@ -374,6 +522,7 @@ def build_toy_world(
         f"classifier trained ({time.time() - t2:.0f} s), accuracy (colour, shape) on rendered images "
         f"{classifier_accuracy(clf, to_unit(imgs), prompts)}"
     )
+    build_toy_sd3(out, out / tw.SD_DIRNAME, seed, sd3_steps)
     if sums:
         tw.write_sums(out)
     _log(f"toy world written to {out} in {time.time() - t0:.0f} s")
@@ -387,12 +536,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)
-    parser.add_argument("--report", action="store_true", help="Also print the base model's judged accuracy.")
+    parser.add_argument("--sd3_steps", type=int, default=SD3_STEPS)
+    parser.add_argument(
+        "--sd3_from",
+        metavar="TOY_SD_DIR",
+        help="Build only OUT/toy-sd3/, on the VAE of this toy SD 1.x folder (e.g. the committed "
+        "refl_ddpo/data/toy_world/toy-sd); OUT/SHA256SUMS is rewritten over what OUT then holds.",
+    )
+    parser.add_argument("--report", action="store_true", help="Also print the base models' judged accuracy.")
     args = parser.parse_args(argv)
-    sd = build_toy_world(args.out, args.seed, args.unet_steps, sums=True)
+    if args.sd3_from:
+        models = [build_toy_sd3(args.out, args.sd3_from, args.seed, args.sd3_steps)]
+        tw.write_sums(Path(args.out))
+    else:
+        sd = build_toy_world(args.out, args.seed, args.unet_steps, sums=True, sd3_steps=args.sd3_steps)
+        models = [sd, Path(args.out) / tw.SD3_DIRNAME]
     if args.report:
-        for steps in (50, 20):
-            print(json.dumps(report(sd, steps=steps)))
+        for model in models:
+            for steps in (50, 20):
+                print(json.dumps(report(model, steps=steps)))
 
 
 if __name__ == "__main__":

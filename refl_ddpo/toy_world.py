@@ -13,9 +13,10 @@ The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds 
                    (128, 128, 128, not the border's median: a tinted background is dirty) and the prompt's palette
                    colour. Rendered images have 0; the base model's soft edges give a few percent.
 
-The base model is deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): its training
-captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so it draws
-"a red ..." red or magenta about equally; see refl_ddpo.toy_build.
+The base models are deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): their training
+captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so they draw
+"a red ..." red or magenta about equally; see refl_ddpo.toy_build. Two families of the same world: toy-sd/ (SD 1.x,
+a UNet) and toy-sd3/ (SD3, an MMDiT trained by flow matching on the same VAE, no T5).
 
 The trained models (built by `refl_ddpo.toy_build`, deterministically from seeds, on one CPU thread) are committed
 under toy_world.DATA_DIR with their SHA256SUMS, so every machine tests on the same weights;
@@ -57,6 +58,7 @@ CLEAN_THRESHOLD = 60.0
 
 DATA_DIR = Path(__file__).resolve().parent / "data" / "toy_world"
 SD_DIRNAME = "toy-sd"
+SD3_DIRNAME = "toy-sd3"
 CLASSIFIER_NAME = "toy_classifier"
 SUMS_NAME = "SHA256SUMS"
 
@@ -288,10 +290,11 @@ def verify_sums(folder: Path) -> list[str]:
 
 
 def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path | None = None) -> Path:
-    """OUT/toy-sd/ (a StableDiffusionPipeline folder) and OUT/toy_classifier.{safetensors,json}; returns OUT/toy-sd.
+    """OUT/toy-sd/ (a StableDiffusionPipeline folder), OUT/toy-sd3/ (a StableDiffusion3Pipeline folder) and
+    OUT/toy_classifier.{safetensors,json}; returns OUT/toy-sd.
 
     Copies the committed weights (from `source`, default toy_world.DATA_DIR) after checking SHA256SUMS, or with
-    `rebuild` trains everything from scratch (`refl_ddpo.toy_build.build_toy_world`; about 20 minutes on one core)."""
+    `rebuild` trains everything from scratch (`refl_ddpo.toy_build.build_toy_world`; about 35 minutes on one core)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if rebuild:
@@ -318,7 +321,8 @@ def evaluate(
     guidance_scale: float = 7.5,
 ) -> dict[str, float]:
     """Colour accuracy and dirty fraction of a model family's images of `prompts` x `seeds` (one CPU generator per
-    image, the family's current sampler, deterministic with DDIM eta 0): what the learning tests compare."""
+    image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching Euler ODE on SD3):
+    what the learning tests compare."""
     from refl_ddpo.generate import generate_batch
 
     all_prompts = [p for p in prompts for _ in seeds]

@@ -170,6 +170,8 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
             f"{family.vae_scale_factor}."
         )
     check_resumed_resolution(cfg)
+    if cfg.lora_target_modules is None:  # the trainers' preflight resolves it; a direct call gets the same
+        cfg.lora_target_modules = list(family.lora_target_modules)
     params = make_trainable(family.network, cfg)
     register_network_hooks(accelerator, family.network)
     return family, params, dtype

@@ -80,8 +80,14 @@ def test_committed_files_match_sha256sums():
     listed = tw.verify_sums(tw.DATA_DIR)
     present = {p.relative_to(tw.DATA_DIR).as_posix() for p in tw.DATA_DIR.rglob("*") if p.is_file()}
     assert set(listed) == present - {tw.SUMS_NAME}
-    assert {"toy_classifier.safetensors", "toy_classifier.json", "toy-sd/model_index.json"} <= set(listed)
-    assert sum((tw.DATA_DIR / p).stat().st_size for p in listed) < 8e6
+    assert {
+        "toy_classifier.safetensors",
+        "toy_classifier.json",
+        "toy-sd/model_index.json",
+        "toy-sd3/model_index.json",
+        "toy-sd3/transformer/diffusion_pytorch_model.safetensors",
+    } <= set(listed)
+    assert sum((tw.DATA_DIR / p).stat().st_size for p in listed) < 9e6  # 8.1 MB: toy-sd 5.0, toy-sd3 2.8
 
 
 def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
@@ -92,6 +98,8 @@ def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
         sd == tmp_path / "ok" / "toy-sd" and (sd / "unet" / "diffusion_pytorch_model.safetensors").is_file()
     )
     assert (tmp_path / "ok" / "toy_classifier.safetensors").is_file()
+    sd3 = tmp_path / "ok" / tw.SD3_DIRNAME
+    assert (sd3 / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     bad = tmp_path / "bad_src"
     shutil.copytree(tw.DATA_DIR, bad)
     with open(bad / "toy_classifier.safetensors", "r+b") as f:

@@ -225,12 +225,13 @@ def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.T
 
 def preflight(cfg: DDPOConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
-    from refl_ddpo.models import check_pretrained_model
+    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
 
     check_pretrained_model(cfg.pretrained_model)
     check_reward_files(cfg.reward, cfg.reward_model_dir)
+    resolve_lora_targets(cfg)  # before start_run, which records them
     return start_run(cfg, cfg.ALGORITHM, "num_epochs")  # output_dir free or continued; the checkpoint fits
 
 

@@ -177,12 +177,13 @@ def pretrain_loss(
 def preflight(cfg: ReFLConfig):
     """Everything checkable before a model is loaded: (cfg, prompts, pretrain data, resume path, world size)."""
     from refl_ddpo.image_captions import PretrainData
-    from refl_ddpo.models import check_pretrained_model
+    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
     from refl_ddpo.prompts import resolve_prompts
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
 
     check_pretrained_model(cfg.pretrained_model)
+    resolve_lora_targets(cfg)  # before start_run, which records them
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     prompts = resolve_prompts(cfg.prompts_file)
     pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
