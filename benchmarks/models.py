@@ -174,8 +174,14 @@ class Bench:
             device="cpu" if cfg.resolved_device.type == "cpu" else None,
             allow_tf32=cfg.tf32,
             lora_rank=cfg.lora_rank,
+            lora_target_modules=["to_q", "to_k", "to_v", "to_out.0"],  # the SD family's default
             gradient_checkpointing=cfg.gradient_checkpointing,
         )
+        # accelerate keeps one state per process and refuses another mixed precision: a bench (or a test before it,
+        # in the same process) may have made one already
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
         self.accelerator = make_accelerator(self.common, 1)
         self.device = self.accelerator.device
         if self.device.type == "cuda":  # make_accelerator only ever switches TF32 on
@@ -274,6 +280,7 @@ class Bench:
             config or self.common,
             use_lora=mode == "lora",
             lora_rank=self.cfg.lora_rank,
+            lora_target_modules=self.common.lora_target_modules,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
         )
         return unet, make_trainable(unet, config)
