@@ -4,7 +4,7 @@ differ in the last bits, which is why the built weights are committed (toy_world
 refl_ddpo.toy_world). Slow: about 35 minutes on one core (VAE 6, UNet 10, classifier 5-9, MMDiT 12-15).
 
     python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
-    python -m refl_ddpo.toy_build OUT --sd3_from refl_ddpo/data/toy_world/toy-sd   # only OUT/toy-sd3/ (+ sums)
+    python -m refl_ddpo.toy_build OUT --sd3_from [TOY_SD_DIR]   # only OUT/toy-sd3/ (+ sums); default: the committed toy-sd
 
 Models:
     VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
@@ -134,29 +134,16 @@ def make_text(seed: int = SEED, with_projection: bool = False, hidden: int = TEX
     """(tokenizer, text encoder): the tiny char-level CLIP tokenizer of refl_ddpo.tiny and a random, frozen CLIP
     text model `hidden` wide (SD 1.x's CLIPTextModel; `with_projection`: SD3's CLIPTextModelWithProjection, its
     pooled projection as wide as its hidden states)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    from refl_ddpo.tiny import clip_tokenizer
+    from refl_ddpo.tiny import clip_tokenizer, tiny_clip_config
 
     tokenizer = clip_tokenizer()
     torch.manual_seed(seed + 2)
     cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
     # SD 1.x's config keeps CLIPTextConfig's default projection_dim (as committed)
     projection = {"projection_dim": hidden} if with_projection else {}
-    text_encoder = cls(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **projection,
-        )
-    )
+    text_encoder = cls(tiny_clip_config(tokenizer, hidden, **projection))
     return tokenizer, text_encoder.eval().requires_grad_(False)
 
 
@@ -540,8 +527,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sd3_from",
         metavar="TOY_SD_DIR",
-        help="Build only OUT/toy-sd3/, on the VAE of this toy SD 1.x folder (e.g. the committed "
-        "refl_ddpo/data/toy_world/toy-sd); OUT/SHA256SUMS is rewritten over what OUT then holds.",
+        nargs="?",
+        const=str(tw.DATA_DIR / tw.SD_DIRNAME),
+        help="Build only OUT/toy-sd3/, on the VAE of this toy SD 1.x folder (without a value: the committed one, "
+        "toy_world.DATA_DIR/toy-sd); OUT/SHA256SUMS is rewritten over what OUT then holds.",
     )
     parser.add_argument("--report", action="store_true", help="Also print the base models' judged accuracy.")
     args = parser.parse_args(argv)
