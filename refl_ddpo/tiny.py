@@ -70,6 +70,24 @@ def _byte_level_vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(tokens)}
 
 
+def tiny_clip_config(tokenizer, hidden: int = 32, **extra):
+    """A tiny CLIP text config (2 layers, 4 heads, 77 positions) on `tokenizer`'s vocabulary and special tokens."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
 def clip_tokenizer():
     """A CLIP tokenizer built offline: the byte-level vocab, no merges, 77 tokens (as SD's)."""
     import tempfile
@@ -158,7 +176,7 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
     many steps by `train_toy_denoiser`.
     """
     from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
     out = Path(out)
     tokenizer = clip_tokenizer()
@@ -189,19 +207,7 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
         norm_num_groups=32,
     )
     torch.manual_seed(seed + 2)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
     pipe = StableDiffusionPipeline(
         unet=unet,
         vae=vae,
@@ -230,7 +236,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     tokenizer = clip_tokenizer()
     torch.manual_seed(seed)
@@ -266,22 +272,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     text_encoders = []
     for k in range(2):
         torch.manual_seed(seed + 2 + k)
-        text_encoders.append(
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(tokenizer),
-                    hidden_size=32,
-                    intermediate_size=64,
-                    projection_dim=32,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    max_position_embeddings=77,
-                    bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            )
-        )
+        text_encoders.append(CLIPTextModelWithProjection(tiny_clip_config(tokenizer, projection_dim=32)))
     torch.manual_seed(seed + 4)
     t5_tok = t5_tokenizer()
     t5 = T5EncoderModel(
