@@ -1,4 +1,4 @@
-"""Base model: generate the evaluation prompts with fixed seeds and score them with ImageReward.
+"""Base model: generate the evaluation prompts with fixed seeds and score them (ImageReward, or --rewards a,b,...).
 
     python inference/inference.py [--pretrained_model checkpoint/stable-diffusion-v1-4] [--output_dir outputs/base]
 

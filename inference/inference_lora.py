@@ -1,4 +1,4 @@
-"""Base model + trained LoRA: the same prompts and seeds as inference/inference.py, scored with ImageReward.
+"""Base model + trained LoRA: the same prompts and seeds as inference/inference.py, scored as it is (--rewards).
 
     python inference/inference_lora.py [--lora_dir checkpoint/refl_lora] [--lora_scale 1.0] [--output_dir outputs/lora]
 

@@ -1,5 +1,9 @@
 """The paired comparison of two inference runs (base vs base + LoRA): per-prompt deltas, win rate, paired bootstrap
-CI, a side-by-side picture. `inference/compare.py` is its entry point.
+CI, a side-by-side picture, for every reward both runs scored. `inference/compare.py` is its entry point.
+
+compare.json keeps the first shared reward's statistics at its top (as when ImageReward was the only score) and
+every shared reward's under "per_reward"; compare.png has a header with each reward's means, difference, 95 % CI and
+win rate, then before | after per pair with the pair's scores and delta under it.
 
     python inference/compare.py outputs/base outputs/lora [--out outputs/compare]
 """
@@ -13,8 +17,8 @@ import os
 from pathlib import Path
 
 from refl_ddpo.errors import UserError, cli_main, read_utf8
-from refl_ddpo.generate import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, fmt_score
-from refl_ddpo.images import caption_grid, write_json_atomic
+from refl_ddpo.generate import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, fmt_score, reward_label
+from refl_ddpo.images import font, wrap_words, write_json_atomic
 
 COMPARE_JSON = "compare.json"
 COMPARE_PNG = "compare.png"
@@ -34,13 +38,21 @@ def load_run(run_dir: str | Path) -> dict:
         raise UserError(f"{path} is not valid JSON ({e}); run inference again.") from None
     if not isinstance(run, dict) or not isinstance(run.get("records"), list):
         raise UserError(f"{path} has no 'records' list: it was not written by inference/inference.py.")
+    rewards = run_rewards(run)
+    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
+        raise UserError(f"{path} has a malformed 'rewards' list ({rewards!r}); run inference again.")
     for i, record in enumerate(run["records"]):
-        check_record(record, f"{path} record {i}")
+        check_record(record, f"{path} record {i}", rewards)
     return run
 
 
-def check_record(record, where: str) -> None:
-    """A scores.json record as inference writes it: prompt, seed, file, and a finite score or null."""
+def run_rewards(run: dict) -> list[str]:
+    """The rewards a run scored, in order (a scores.json from before --rewards holds ImageReward only)."""
+    return run.get("rewards", [SCORE_KEY])
+
+
+def check_record(record, where: str, rewards: list[str] = (SCORE_KEY,)) -> None:
+    """A scores.json record as inference writes it: prompt, seed, file, and per reward a finite score or null."""
     if not isinstance(record, dict):
         raise UserError(f"{where} is not an object; run inference again.")
     for key, kind in (("prompt", str), ("seed", int), ("file", str)):
@@ -48,14 +60,15 @@ def check_record(record, where: str) -> None:
             raise UserError(
                 f"{where} has no {kind.__name__} '{key}' (got {record.get(key)!r}); run inference again."
             )
-    score = record.get(SCORE_KEY)
-    if score is not None and (
-        isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)
-    ):
-        raise UserError(
-            f"{where} ('{record['prompt']}', seed {record['seed']}) has {SCORE_KEY} {score!r}, not a finite "
-            "number or null; run inference again."
-        )
+    for name in rewards:
+        score = record.get(name)
+        if score is not None and (
+            isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score)
+        ):
+            raise UserError(
+                f"{where} ('{record['prompt']}', seed {record['seed']}) has {name} {score!r}, not a finite "
+                "number or null; run inference again."
+            )
 
 
 def paired_bootstrap_ci(
@@ -114,9 +127,16 @@ def compare_runs(
     num_resamples: int = 10_000,
     seed: int = 0,
 ) -> dict:
-    """Paired statistics of two runs' ImageReward scores: means, per-prompt deltas, win rate, bootstrap CI."""
+    """Paired statistics of two runs for every reward both scored: means, per-prompt deltas, win rate, bootstrap
+    CI under "per_reward"; the first shared reward's also at the top, and each pair's scores under "pairs"."""
     pairs = match_pairs(before, after, before_name, after_name)
-    result: dict = {"count": len(pairs)}
+    shared = [r for r in run_rewards(before) if r in run_rewards(after)]
+    if not shared:
+        raise UserError(
+            f"{before_name} (rewards {', '.join(run_rewards(before))}) and {after_name} (rewards "
+            f"{', '.join(run_rewards(after))}) share no reward; run inference on both with the same --rewards."
+        )
+    result: dict = {"count": len(pairs), "rewards": shared}
     settings = [
         {k: _same_path(run.get("config", {}).get(k)) for k in GENERATION_SETTINGS} for run in (before, after)
     ]
@@ -125,90 +145,211 @@ def compare_runs(
     }
     if differ:
         result["settings_differ"] = differ
-    errors = [
-        f"{name}: {run['score_error']}"
-        for name, run in ((before_name, before), (after_name, after))
-        if run.get("score_error")
-    ]
-    missing = any(b.get(SCORE_KEY) is None or a.get(SCORE_KEY) is None for b, a in pairs)
+    per_reward = {
+        name: paired_statistics(
+            pairs, name, _score_errors(name, before, after, before_name, after_name), num_resamples, seed
+        )
+        for name in shared
+    }
+    primary = shared[0]
     result["pairs"] = [
         {
             "prompt": b["prompt"],
             "seed": b["seed"],
             "before_file": b["file"],
             "after_file": a["file"],
-            "before": b.get(SCORE_KEY),
-            "after": a.get(SCORE_KEY),
-            "delta": None if missing else a[SCORE_KEY] - b[SCORE_KEY],
+            "before": b.get(primary),
+            "after": a.get(primary),
+            "delta": _delta(b, a, primary, per_reward[primary]),
+            "scores": {
+                name: {
+                    "before": b.get(name),
+                    "after": a.get(name),
+                    "delta": _delta(b, a, name, per_reward[name]),
+                }
+                for name in shared
+            },
         }
         for b, a in pairs
     ]
-    if missing:
-        result["score_error"] = "; ".join(errors) or "some images have no score"
-        return result
+    result.update(per_reward[primary])
+    result["per_reward"] = per_reward
+    return result
 
-    before_scores = [b[SCORE_KEY] for b, _ in pairs]
-    after_scores = [a[SCORE_KEY] for _, a in pairs]
+
+def _delta(b: dict, a: dict, name: str, stats: dict) -> float | None:
+    return None if "score_error" in stats else a[name] - b[name]
+
+
+def _score_errors(name: str, before: dict, after: dict, before_name: str, after_name: str) -> list[str]:
+    """Why a run has no `name` scores, as its scores.json says (per reward, or at its top for the first one)."""
+    errors = []
+    for run_name, run in ((before_name, before), (after_name, after)):
+        error = run.get("scores", {}).get(name, {}).get("score_error")
+        if error is None and name == run_rewards(run)[0]:
+            error = run.get("score_error")
+        if error:
+            errors.append(f"{run_name}: {error}")
+    return errors
+
+
+def paired_statistics(
+    pairs: list[tuple[dict, dict]], name: str, errors: list[str], num_resamples: int, seed: int
+) -> dict:
+    """One reward's paired statistics over the (before, after) records; {"score_error"} if a score is missing."""
+    if any(b.get(name) is None or a.get(name) is None for b, a in pairs):
+        return {"score_error": "; ".join(errors) or "some images have no score"}
+    before_scores = [b[name] for b, _ in pairs]
+    after_scores = [a[name] for _, a in pairs]
     deltas = [a - b for b, a in zip(before_scores, after_scores)]
     wins, ties = sum(d > 0 for d in deltas), sum(d == 0 for d in deltas)
     per_prompt: dict[str, list[tuple[float, float]]] = {}  # prompt -> [(before, after)] over its seeds
     for (rb, _), b, a in zip(pairs, before_scores, after_scores):
         per_prompt.setdefault(rb["prompt"], []).append((b, a))
     lo, hi = paired_bootstrap_ci(deltas, num_resamples, seed)
-    result.update(
-        {
-            "mean_before": sum(before_scores) / len(pairs),
-            "mean_after": sum(after_scores) / len(pairs),
-            "mean_difference": sum(deltas) / len(pairs),
-            "bootstrap_ci95": [lo, hi],
-            "num_bootstrap": num_resamples,
-            "bootstrap_seed": seed,
-            "win_rate": (wins + 0.5 * ties) / len(pairs),  # ties count half
-            "wins": wins,
-            "ties": ties,
-            "losses": len(pairs) - wins - ties,
-            "per_prompt": [
-                {
-                    "prompt": p,
-                    "n": len(v),
-                    "before_mean": sum(b for b, _ in v) / len(v),
-                    "after_mean": sum(a for _, a in v) / len(v),
-                    "delta": sum(a - b for b, a in v) / len(v),
-                }
-                for p, v in per_prompt.items()
-            ],
-        }
-    )
-    return result
+    return {
+        "mean_before": sum(before_scores) / len(pairs),
+        "mean_after": sum(after_scores) / len(pairs),
+        "mean_difference": sum(deltas) / len(pairs),
+        "bootstrap_ci95": [lo, hi],
+        "num_bootstrap": num_resamples,
+        "bootstrap_seed": seed,
+        "win_rate": (wins + 0.5 * ties) / len(pairs),  # ties count half
+        "wins": wins,
+        "ties": ties,
+        "losses": len(pairs) - wins - ties,
+        "per_prompt": [
+            {
+                "prompt": p,
+                "n": len(v),
+                "before_mean": sum(b for b, _ in v) / len(v),
+                "after_mean": sum(a for _, a in v) / len(v),
+                "delta": sum(a - b for b, a in v) / len(v),
+            }
+            for p, v in per_prompt.items()
+        ],
+    }
 
 
 def format_comparison(result: dict, before_name: str, after_name: str) -> str:
-    """The printed table: one row per prompt, then the paired summary."""
+    """The printed tables: per shared reward, one row per prompt, then the paired summary."""
     lines = []
     for key, (b, a) in result.get("settings_differ", {}).items():
         lines.append(f"note: the runs differ in {key}: {b!r} vs {a!r}")
-    if "mean_difference" not in result:
-        lines.append(f"{result['count']} pairs matched; no comparison of scores ({result['score_error']})")
-        return "\n".join(lines)
-    width = min(60, max(len("prompt"), *(len(r["prompt"]) for r in result["per_prompt"])))
-    lines.append(f"{'prompt':<{width}}  {'n':>3}  {'before':>8}  {'after':>8}  {'delta':>8}")
-    for r in result["per_prompt"]:
-        prompt = r["prompt"] if len(r["prompt"]) <= width else r["prompt"][: width - 3] + "..."
+    for name in result.get("rewards", [SCORE_KEY]):
+        r = result.get("per_reward", {}).get(name, result)
+        label = reward_label(name)
+        if len(result.get("rewards", [])) > 1:
+            lines.append(f"== {label}")
+        if "mean_difference" not in r:
+            lines.append(f"{result['count']} pairs matched; no comparison of {label} ({r['score_error']})")
+            continue
+        width = min(60, max(len("prompt"), *(len(p["prompt"]) for p in r["per_prompt"])))
+        lines.append(f"{'prompt':<{width}}  {'n':>3}  {'before':>8}  {'after':>8}  {'delta':>8}")
+        for p in r["per_prompt"]:
+            prompt = p["prompt"] if len(p["prompt"]) <= width else p["prompt"][: width - 3] + "..."
+            lines.append(
+                f"{prompt:<{width}}  {p['n']:>3}  {p['before_mean']:>8.3f}  {p['after_mean']:>8.3f}  "
+                f"{p['delta']:>+8.3f}"
+            )
+        lo, hi = r["bootstrap_ci95"]
         lines.append(
-            f"{prompt:<{width}}  {r['n']:>3}  {r['before_mean']:>8.3f}  {r['after_mean']:>8.3f}  "
-            f"{r['delta']:>+8.3f}"
+            f"mean {label}: {before_name} {r['mean_before']:.3f}, {after_name} "
+            f"{r['mean_after']:.3f}, difference {r['mean_difference']:+.3f} "
+            f"(95% paired bootstrap CI [{lo:+.3f}, {hi:+.3f}], {r['num_bootstrap']} resamples)"
         )
-    lo, hi = result["bootstrap_ci95"]
-    lines.append(
-        f"mean ImageReward: {before_name} {result['mean_before']:.3f}, {after_name} "
-        f"{result['mean_after']:.3f}, difference {result['mean_difference']:+.3f} "
-        f"(95% paired bootstrap CI [{lo:+.3f}, {hi:+.3f}], {result['num_bootstrap']} resamples)"
-    )
-    lines.append(
-        f"{after_name} beats {before_name} in {result['win_rate']:.1%} of {result['count']} pairs "
-        f"({result['wins']} wins, {result['ties']} ties, {result['losses']} losses)"
-    )
+        lines.append(
+            f"{after_name} beats {before_name} in {r['win_rate']:.1%} of {result['count']} pairs "
+            f"({r['wins']} wins, {r['ties']} ties, {r['losses']} losses)"
+        )
     return "\n".join(lines)
+
+
+def header_lines(result: dict) -> list[str]:
+    """compare.png's header: one line per shared reward (both means, the difference, its 95 % CI, the win rate)."""
+    lines = []
+    for name in result["rewards"]:
+        r = result["per_reward"][name]
+        if "mean_difference" not in r:
+            lines.append(f"{reward_label(name)}: no comparison ({r['score_error']})")
+            continue
+        lo, hi = r["bootstrap_ci95"]
+        lines.append(
+            f"{reward_label(name)}: before {r['mean_before']:.3f}, after {r['mean_after']:.3f}, difference "
+            f"{r['mean_difference']:+.3f} (95% CI [{lo:+.3f}, {hi:+.3f}]), after wins {r['win_rate']:.0%} of "
+            f"{result['count']} pairs"
+        )
+    return lines
+
+
+def compare_picture(
+    result: dict, cells: list, title: str, cell: int = 192, pairs_per_row: int = 2, max_caption_lines: int = 3
+):
+    """compare.png as a PIL image: a header (title, one line per reward), then for each pair of `result["pairs"]`
+    before | after (`cells`: PIL images, two per pair; `pairs_per_row` pairs side by side) with the prompt and seed
+    wrapped at words under them and one line per reward: before -> after and the delta (green up, red down)."""
+    from PIL import Image, ImageDraw
+
+    pairs = result["pairs"][: len(cells) // 2]
+    per_row = max(1, min(pairs_per_row, len(pairs)))
+    pad, pair_w = 8, 2 * cell
+    width = per_row * pair_w
+    title_font, body_font = font(16), font(13)
+    line_h, title_h = 17, 21
+
+    header = [
+        (line, title_font, title_h) for line in wrap_words(title, width - 2 * pad, title_font.getlength, 2)
+    ]
+    for line in header_lines(result):
+        wrapped = wrap_words(line, width - 2 * pad, body_font.getlength, 2)
+        header += [(part, body_font, line_h) for part in wrapped]
+    header_h = pad + sum(h for _, _, h in header) + pad
+
+    captions = []  # per pair: [(text, colour)]
+    for pair in pairs:
+        text = f"{pair['prompt']} (seed {pair['seed']})"
+        lines = [
+            (t, "black") for t in wrap_words(text, pair_w - 2 * pad, body_font.getlength, max_caption_lines)
+        ]
+        for name, sc in pair["scores"].items():
+            delta = sc["delta"]
+            colour = "black" if not delta else ("#08722a" if delta > 0 else "#b3141c")
+            text = f"{reward_label(name)}: {fmt_score(sc['before'])} -> {fmt_score(sc['after'])}"
+            lines.append((text + (f"  ({fmt_score(delta, sign=True)})" if delta is not None else ""), colour))
+        captions.append(lines)
+    rows = [captions[i : i + per_row] for i in range(0, len(captions), per_row)]
+    row_h = [cell + pad // 2 + max(len(lines) for lines in row) * line_h + pad for row in rows]
+
+    canvas = Image.new("RGB", (width, header_h + sum(row_h)), "white")
+    draw = ImageDraw.Draw(canvas)
+    y = pad
+    for text, face, h in header:
+        draw.text((pad, y), text, fill="black", font=face)
+        y += h
+    y = header_h
+    draw.line([(0, y - 1), (width, y - 1)], fill="#888888")
+    for r, row in enumerate(rows):
+        for c, lines in enumerate(row):
+            k, x = r * per_row + c, c * pair_w
+            for side in (0, 1):
+                canvas.paste(cells[2 * k + side].convert("RGB").resize((cell, cell)), (x + side * cell, y))
+                label = ("before", "after")[side]
+                draw.text(
+                    (x + side * cell + 4, y + 2),
+                    label,
+                    fill="white",
+                    font=body_font,
+                    stroke_width=2,
+                    stroke_fill="black",
+                )
+            ty = y + cell + pad // 2
+            for text, colour in lines:
+                draw.text((x + pad, ty), text, fill=colour, font=body_font)
+                ty += line_h
+            if c:  # a light rule between two pairs of a row
+                draw.line([(x, y), (x, y + row_h[r] - 1)], fill="#cccccc")
+        y += row_h[r]
+    return canvas
 
 
 def run_compare(
@@ -219,9 +360,9 @@ def run_compare(
     seed: int = 0,
     max_pairs: int = 32,
 ) -> dict:
-    """compare.png (before | after per prompt and seed, score under each) and compare.json for two run folders."""
+    """compare.png (a header of statistics, then before | after per prompt and seed with their scores) and
+    compare.json for two run folders."""
     from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
 
     from refl_ddpo.training import check_output_dir
 
@@ -246,16 +387,15 @@ def run_compare(
 
     shown = result["pairs"][:max_pairs]
     if shown:
-        cells, captions = [], []
+        cells = []
         for pair in shown:
             for side, run_dir in (("before", before_dir), ("after", after_dir)):
                 with Image.open(Path(run_dir) / pair[f"{side}_file"]) as im:
-                    cells.append(
-                        pil_to_tensor(im.convert("RGB")).float() / 255
-                    )  # (3, H, W); sizes may differ
-                captions.append(f"{side} {fmt_score(pair[side])} s{pair['seed']} {pair['prompt']}")
-        grid = caption_grid(cells, captions, cols=2)  # every cell is resized to the same side
-        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out / COMPARE_PNG)
+                    cells.append(im.convert("RGB"))  # sizes may differ: each is resized to the cell
+        title = f"before: {before_dir}  |  after: {after_dir}"
+        if len(shown) < len(result["pairs"]):
+            title += f"  ({len(shown)} of {len(result['pairs'])} pairs shown)"
+        compare_picture(result, cells, title).save(out / COMPARE_PNG)
     write_json_atomic(out / COMPARE_JSON, result)
     print(format_comparison(result, "before", "after"), flush=True)
     print(f"wrote {out / COMPARE_PNG if shown else '(no image)'} and {out / COMPARE_JSON}", flush=True)

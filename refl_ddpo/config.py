@@ -221,7 +221,10 @@ class CommonConfig(ConfigBase):
         None,
         "cpu or cuda (each process on its own GPU; refused without one); default: what accelerate picks.",
     )
-    logging_dir: str = field_("logs", "TensorBoard folder, relative to output_dir.")
+    logging_dir: str = field_(
+        "logs",
+        "TensorBoard folder, relative to output_dir; each start of a trainer logs to a new run-N/ in it.",
+    )
     report_to: Literal["tensorboard", "none"] = field_("tensorboard", "Where scalars and images are logged.")
 
     def check(self) -> None:

@@ -1,5 +1,5 @@
 """Before/after inference: the same prompts and seeds through the base model or base + LoRA, scored with
-ImageReward (`refl_ddpo.compare` pairs two such runs).
+ImageReward or any rewards of the registry (`--rewards`; `refl_ddpo.compare` pairs two such runs).
 
 `inference/inference.py` and `inference/inference_lora.py` are thin entry points to `main_base` and `main_lora`.
 The images come from the shared loop (`refl_ddpo.sampling`) on the model family's adapter (`refl_ddpo.families`) and
@@ -9,6 +9,11 @@ Seeds: image j of prompt i is drawn from its own CPU generator seeded `seed + i 
 stochastic scheduler steps, with eta > 0, use the same generator). Its starting noise therefore depends only on that
 seed, not on the batch it ran in nor on which script ran it, so both scripts draw the same noise for the same
 (prompt, seed); with the same batch size the images are bit-identical run to run.
+
+Scores: `--rewards a,b,...` names rewards of `refl_ddpo.rewards` (default: imagereward, as before); each record of
+`scores.json` has one field per reward, named as given, scored on the 8-bit images as saved (so a score can be
+reproduced from its PNG). ImageReward keeps its official PIL preprocessing, and without its files its scores are
+null with the reason in `score_error`; any other reward must load, or the run stops before generating.
 
 A run folder holds one PNG per image (prompt, seed and settings in its PNG text chunks), `grid.png` and
 `scores.json`; `scores.json` is written last and atomically. An earlier run's files in the folder (its PNGs, grid and
@@ -48,7 +53,7 @@ DEFAULT_PROMPTS_FILE = DATA_DIR / "eval_prompts.txt"
 DEFAULT_BASE_MODEL = "checkpoint/stable-diffusion-v1-4"  # relative to where the command runs (the repo root)
 SCORES_FILE = "scores.json"
 GRID_FILE = "grid.png"
-SCORE_KEY = "imagereward"  # the score field of each record in scores.json
+SCORE_KEY = "imagereward"  # the default reward, and the score field of each record that old scores.json hold
 IMAGE_FILE = re.compile(r"\d{4,}_\d{2,}_seed-?\d+\.png")  # ImageSpec.file
 
 # Settings that change the images; compare.py notes when two runs differ in any of them.
@@ -83,8 +88,14 @@ class InferenceConfig(ConfigBase):
     )
     reward_model_dir: str = field_(
         "checkpoint",
-        "Folder with ImageReward.pt, med_config.json and bert-base-uncased/; without them the images are still "
-        "written and the scores are null, with the reason in scores.json.",
+        "Folder with ImageReward.pt, med_config.json and bert-base-uncased/ (and the files of other --rewards); "
+        "without ImageReward's files the images are still written and its scores are null, with the reason in "
+        "scores.json.",
+    )
+    rewards: str = field_(
+        SCORE_KEY,
+        "Rewards to score every image with, comma-separated names of the reward registry (e.g. "
+        "imagereward,aesthetic,toy_color_match); each record of scores.json gets one field per reward, named as given.",
     )
     # ---- what to generate ----
     prompts_file: str = field_(
@@ -137,6 +148,7 @@ class InferenceConfig(ConfigBase):
             raise UserError(f"--guidance_scale must be >= 0 (got {self.guidance_scale}); 1 turns CFG off.")
         if self.eta < 0:
             raise UserError(f"--eta must be >= 0 (got {self.eta}); 0 is deterministic DDIM.")
+        check_reward_list(self.rewards, self.reward_model_dir)
         if self.eta and self.scheduler not in (None, "ddim"):
             raise UserError(
                 f"--eta {self.eta} needs --scheduler ddim (the {self.scheduler} sampler has no eta)."
@@ -223,6 +235,33 @@ def _read_lora_config(lora_dir: Path) -> dict:
     if not isinstance(saved, dict):
         raise UserError(f"{lora_dir / CONFIG_NAME} must hold a JSON object (the training config).")
     return saved
+
+
+def reward_list(spec: str) -> list[str]:
+    """'imagereward, aesthetic' -> ['imagereward', 'aesthetic']: the rewards of --rewards, as given."""
+    return [part.strip() for part in spec.split(",") if part.strip()]
+
+
+def check_reward_list(spec: str, model_dir: str) -> None:
+    """--rewards names known rewards, each once, whose files are in --reward_model_dir (ImageReward's may be missing:
+    its scores are then null); a one-line UserError otherwise, before any model is loaded."""
+    from refl_ddpo.rewards import check_reward_files, parse_reward_spec
+
+    names = reward_list(spec)
+    if not names:
+        raise UserError(f"--rewards is empty: name at least one reward, e.g. --rewards {SCORE_KEY}.")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UserError(f"--rewards names {', '.join(repeated)} twice; name each reward once.")
+    for name in names:
+        try:
+            parse_reward_spec(name)
+            if name != SCORE_KEY:
+                check_reward_files(name, model_dir)
+        except UserError as e:
+            raise UserError(
+                str(e).replace("--reward:", "--rewards:", 1).replace("--reward ", "--rewards ", 1)
+            ) from None
 
 
 def resolve_device(name: str | None) -> str:
@@ -363,7 +402,7 @@ class ImageRewardScorer:
             self.error = str(e)
             print(f"warning: no ImageReward scores ({self.error})", file=sys.stderr, flush=True)
 
-    def __call__(self, prompts: list[str], images) -> list[float | None]:
+    def __call__(self, prompts: list[str], images, metadata: list[dict] | None = None) -> list[float | None]:
         if self.model is None:
             return [None] * len(prompts)
         scores: list[float | None] = [None] * len(prompts)
@@ -378,6 +417,47 @@ class ImageRewardScorer:
                 f"'{prompts[bad[0]]}'); check its files in --reward_model_dir."
             )
         return scores
+
+
+class RegistryScorer:
+    """A reward of the registry (`refl_ddpo.rewards.build_reward`) on saved images: the 8-bit pixels as written to
+    the PNGs, as floats in [0, 1], in fp32 and without gradient; a non-finite score stops the run."""
+
+    error: str | None = None
+
+    def __init__(self, spec: str, model_dir: str, device: str):
+        from refl_ddpo.rewards import build_reward
+
+        self.spec, self.device = spec, torch.device(device)
+        self.reward = build_reward(spec, self.device, torch.float32, model_dir)
+
+    def __call__(self, prompts: list[str], images, metadata: list[dict] | None = None) -> list[float]:
+        import numpy as np
+
+        pixels = torch.from_numpy(
+            np.stack([np.asarray(im.convert("RGB")) for im in images])
+        )  # (B, H, W, 3) uint8
+        batch = (pixels.permute(0, 3, 1, 2).float() / 255).to(self.device)  # (B, 3, H, W) in [0, 1]
+        with torch.no_grad():
+            rewards, _ = self.reward(batch, list(prompts), [dict(m) for m in metadata or [{}] * len(prompts)])
+        scores = [float(r) for r in rewards.detach().float().cpu()]
+        bad = [k for k, s in enumerate(scores) if not math.isfinite(s)]
+        if bad:
+            raise UserError(
+                f"reward {self.spec} gave {len(bad)} non-finite score(s) (NaN or inf) of {len(scores)} images (e.g. "
+                f"for '{prompts[bad[0]]}'); check its files in --reward_model_dir."
+            )
+        return scores
+
+
+def make_scorers(spec: str, model_dir: str, device: str) -> dict:
+    """name -> scorer(prompts, PIL images, metadata) -> [score or None], for each reward of --rewards in order."""
+    return {
+        name: ImageRewardScorer(model_dir, device)
+        if name == SCORE_KEY
+        else RegistryScorer(name, model_dir, device)
+        for name in reward_list(spec)
+    }
 
 
 def _batches(items: list, size: int) -> Iterator[list]:
@@ -437,8 +517,9 @@ def earlier_outputs(out_dir: Path) -> list[Path]:
 def run_inference(cfg: InferenceConfig) -> dict:
     """Generate, save and score every image of the prompts file; returns what it wrote to scores.json."""
     from PIL import Image
-    from tqdm.auto import tqdm
 
+    from refl_ddpo.progress import progress_bar
+    from refl_ddpo.threads import set_cpu_threads
     from refl_ddpo.training import check_output_dir
 
     # ---- everything a user can get wrong, before any model is loaded ----
@@ -453,10 +534,13 @@ def run_inference(cfg: InferenceConfig) -> dict:
         flush=True,
     )
 
+    set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
+
     # ---- models ----
     quiet_hf_logging()
     family = load_inference_family(cfg)
-    scorer = ImageRewardScorer(cfg.reward_model_dir, cfg.device)
+    scorers = make_scorers(cfg.rewards, cfg.reward_model_dir, cfg.device)
+    names = list(scorers)
     settings = {
         k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)
     }
@@ -466,7 +550,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
         path.unlink(missing_ok=True)
     records, grid_images = [], []
     start = time.perf_counter()
-    with tqdm(total=len(specs), desc="images", unit="img") as bar:
+    with progress_bar(total=len(specs), desc="images", unit="img") as bar:
         for batch in _batches(specs, cfg.batch_size):
             images = generate_batch(
                 family,
@@ -485,14 +569,15 @@ def run_inference(cfg: InferenceConfig) -> dict:
                 )
             pixels = to_uint8(images)  # (B, H, W, 3)
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
-            scores = scorer([s.prompt for s in batch], pil_images)
-            for spec, pil, score in zip(batch, pil_images, scores):
+            batch_prompts, batch_metadata = [s.prompt for s in batch], [s.metadata for s in batch]
+            scores = {n: fn(batch_prompts, pil_images, batch_metadata) for n, fn in scorers.items()}
+            for b, (spec, pil) in enumerate(zip(batch, pil_images)):
                 pil.save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
                 record = {
                     "prompt": spec.prompt,
                     "seed": spec.seed,
                     "file": spec.file,
-                    SCORE_KEY: score,
+                    **{n: scores[n][b] for n in names},
                     "prompt_index": spec.prompt_index,
                     "image_index": spec.image_index,
                 }
@@ -500,33 +585,51 @@ def run_inference(cfg: InferenceConfig) -> dict:
                     record["metadata"] = spec.metadata
                 records.append(record)
             grid_images.extend(pixels[: max(0, cfg.grid_max_images - len(grid_images))])
+            bar.set_postfix(  # the running mean of each reward
+                {n: fmt_score(score_summary([r[n] for r in records])[0]) for n in names}, refresh=False
+            )
             bar.update(len(batch))
     seconds = time.perf_counter() - start
 
     # ---- grid, then scores.json last ----
     if grid_images:
         captions = [
-            f"{fmt_score(r[SCORE_KEY])} s{r['seed']} {r['prompt']}" for r in records[: len(grid_images)]
+            " ".join(
+                [fmt_score(r[names[0]])] if len(names) == 1 else [f"{n} {fmt_score(r[n])}" for n in names]
+            )
+            + f" s{r['seed']} {r['prompt']}"
+            for r in records[: len(grid_images)]
         ]
         grid = caption_grid(
             torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255,
             captions,
             cols=cfg.num_images_per_prompt if cfg.num_images_per_prompt > 1 else 4,
+            caption_lines=1 + len(names) if len(names) > 1 else 2,
         )
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out_dir / GRID_FILE)
-    mean, std = score_summary([r[SCORE_KEY] for r in records])
-    result = {"scorer": SCORE_KEY, "count": len(records), "mean": mean, "std": std}
-    if scorer.error:
-        result["score_error"] = scorer.error
+    # The first reward's mean / std / score_error stay at the top (as when ImageReward was the only score); every
+    # reward's are under "scores".
+    summaries = {n: dict(zip(("mean", "std"), score_summary([r[n] for r in records]))) for n in names}
+    for n, fn in scorers.items():
+        if fn.error:
+            summaries[n]["score_error"] = fn.error
+    result = {"scorer": names[0], "rewards": names, "count": len(records), **summaries[names[0]]}
+    result["scores"] = summaries
     result.update({"seconds_per_image": seconds / len(records), "config": cfg.to_dict(), "records": records})
     write_json_atomic(out_dir / SCORES_FILE, result)
-    summary = (
-        f"ImageReward mean {fmt_score(mean)} std {fmt_score(std)}"
-        if mean is not None
-        else "no ImageReward scores"
+    summary = ", ".join(
+        f"{reward_label(n)} mean {fmt_score(v['mean'])} std {fmt_score(v['std'])}"
+        if v["mean"] is not None
+        else f"no {reward_label(n)} scores"
+        for n, v in summaries.items()
     )
     print(f"{len(records)} images ({seconds / len(records):.2f} s/image) in {out_dir}: {summary}", flush=True)
     return result
+
+
+def reward_label(name: str) -> str:
+    """How a reward is named in printed lines: ImageReward as its paper writes it, others as given."""
+    return "ImageReward" if name == SCORE_KEY else name
 
 
 def fmt_score(x: float | None, sign: bool = False) -> str:

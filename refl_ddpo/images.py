@@ -10,25 +10,69 @@ from pathlib import Path
 import torch
 
 
+def font(size: int = 10):
+    """PIL's bundled font at `size` px (scalable where Pillow has FreeType, else its fixed bitmap font)."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, ValueError, OSError):  # Pillow without FreeType: the one bitmap size
+        return ImageFont.load_default()
+
+
+def wrap_words(text: str, width: float, measure, max_lines: int | None = None) -> list[str]:
+    """`text` in lines at most `width` wide (by `measure(str) -> float`, e.g. a font's getlength), broken at spaces;
+    a single word wider than a line is broken inside. With `max_lines`, the last kept line ends in "..." when text
+    was left out."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        candidate = f"{line} {word}" if line else word
+        if measure(candidate) <= width:
+            line = candidate
+            continue
+        if line:
+            lines.append(line)
+        while measure(word) > width and len(word) > 1:  # only a word longer than a whole line is cut
+            cut = max((k for k in range(1, len(word)) if measure(word[:k]) <= width), default=1)
+            lines.append(word[:cut])
+            word = word[cut:]
+        line = word
+    if line:
+        lines.append(line)
+    if max_lines is not None and len(lines) > max_lines:
+        last = lines[max_lines - 1]
+        while last and measure(last + "...") > width:
+            last = last[:-1].rstrip()
+        lines = [*lines[: max_lines - 1], last + "..."]
+    return lines
+
+
 def caption_grid(
-    images: torch.Tensor | list[torch.Tensor], captions: list[str], cell: int = 256, cols: int = 4
+    images: torch.Tensor | list[torch.Tensor],
+    captions: list[str],
+    cell: int = 256,
+    cols: int = 4,
+    caption_lines: int = 2,
 ) -> torch.Tensor:
-    """(3, H, W) uint8 grid: each image (3, h, w) in [0, 1] resized to `cell` px with its caption drawn under it."""
+    """(3, H, W) uint8 grid: each image (3, h, w) in [0, 1] resized to `cell` px with its caption under it, wrapped
+    at words on up to `caption_lines` lines."""
     from PIL import Image, ImageDraw
     from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
     n = len(images)
     cols = min(cols, n)
     rows = (n + cols - 1) // cols
-    text_h = 28
+    face = font(10)
+    line_h = 12
+    text_h = caption_lines * line_h + 4
     canvas = Image.new("RGB", (cols * cell, rows * (cell + text_h)), "white")
     draw = ImageDraw.Draw(canvas)
     for i, (img, cap) in enumerate(zip(images, captions)):
         x, y = (i % cols) * cell, (i // cols) * (cell + text_h)
         canvas.paste(to_pil_image(img.detach().float().clamp(0, 1).cpu()).resize((cell, cell)), (x, y))
-        draw.text((x + 4, y + cell + 2), cap[:48], fill="black")
-        if len(cap) > 48:
-            draw.text((x + 4, y + cell + 14), cap[48:96], fill="black")
+        for j, line in enumerate(wrap_words(cap, cell - 8, face.getlength, caption_lines)):
+            draw.text((x + 4, y + cell + 2 + j * line_h), line, fill="black", font=face)
     return pil_to_tensor(canvas)
 
 

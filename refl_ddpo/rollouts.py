@@ -4,6 +4,7 @@ the per-epoch sample buffers (stacked, then shuffled per sample and per step). S
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -57,11 +58,13 @@ def sample_epoch(
     executor: ThreadPoolExecutor | None = None,
     initial_noise: torch.Tensor | None = None,
     sde_window: tuple[int, int] | None = None,
+    on_batch: Callable[[SampleBatch], None] | None = None,
 ) -> list[SampleBatch]:
     """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
 
     `uncond` (batch 1) is the empty prompt's conditioning; `generator` (CPU) draws the initial noise and every step's
-    noise; `network` is the (accelerate-wrapped) network to sample with, the family's own by default.
+    noise; `network` is the (accelerate-wrapped) network to sample with, the family's own by default; `on_batch` is
+    called with each batch as it is done (a progress bar).
     """
     autocast = autocast or nullcontext
     batches = []
@@ -112,6 +115,8 @@ def sample_epoch(
                 rewards=rewards,
             )
         )
+        if on_batch is not None:
+            on_batch(batches[-1])
     return batches
 
 

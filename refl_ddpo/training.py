@@ -114,6 +114,9 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    from refl_ddpo.threads import set_cpu_threads
+
+    set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
     log_with = None if cfg.report_to == "none" else cfg.report_to
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
@@ -177,13 +180,34 @@ def load_trainable_family(accelerator, cfg: CommonConfig):
     return family, params, dtype
 
 
-def start_trackers(accelerator, cfg: CommonConfig, project: str) -> None:
-    """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only)."""
-    if cfg.report_to != "none":
-        hparams = {
-            k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()
-        }
-        accelerator.init_trackers(project, config=hparams)
+LOG_RUN_PREFIX = "run-"  # output_dir/logging_dir/run-N/: one log run per start of a trainer into the folder
+
+
+def next_log_run(logs: Path) -> str:
+    """'run-N' with N one past the highest run-N already in `logs` ('run-1' in a new folder)."""
+    taken = [
+        int(p.name[len(LOG_RUN_PREFIX) :])
+        for p in (logs.iterdir() if logs.is_dir() else [])
+        if p.name.startswith(LOG_RUN_PREFIX) and p.name[len(LOG_RUN_PREFIX) :].isdigit()
+    ]
+    return f"{LOG_RUN_PREFIX}{max(taken, default=0) + 1}"
+
+
+def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
+    """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only); returns the
+    log run's name.
+
+    Each start is a new log run, `output_dir/logging_dir/run-N/` (TensorBoard writes `run-N/<project>/`; a tracker
+    with run names gets `<project>-run-N`), so a resumed or repeated run into the same folder never draws over the
+    curves of the one before."""
+    if cfg.report_to == "none":
+        return None
+    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()}
+    run = next_log_run(Path(cfg.output_dir) / cfg.logging_dir) if accelerator.is_main_process else None
+    if run is not None:
+        accelerator.project_configuration.logging_dir = os.path.join(cfg.output_dir, cfg.logging_dir, run)
+    accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"name": f"{project}-{run}"}})
+    return run
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch.optim.Optimizer:

@@ -35,7 +35,39 @@ class ModelFamily(ABC):
     schedulers: ClassVar[dict[str, str]]
 
     def __init__(self, pipe):
+        import logging
+
         self.pipe = pipe
+        self._prompts_checked: set[str] = set()
+        self._truncation_said = False
+        # The pipeline's encode_prompt warns about a truncated prompt at every call (every batch of a run);
+        # `check_prompt_lengths` says it once instead.
+        logging.getLogger(type(pipe).__module__).setLevel(logging.ERROR)
+
+    def check_prompt_lengths(self, prompts: list[str]) -> None:
+        """Say once per run (this family object) that a prompt is longer than the (first) text encoder reads and is
+        truncated; the pipeline's own warning at every batch is silenced."""
+        import sys
+
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        if self._truncation_said or tokenizer is None:
+            return
+        limit = tokenizer.model_max_length
+        for prompt in dict.fromkeys(prompts):
+            if prompt in self._prompts_checked:
+                continue
+            self._prompts_checked.add(prompt)
+            n = len(tokenizer(prompt, truncation=False).input_ids)  # with the begin / end tokens
+            if n > limit:
+                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+                print(
+                    f"warning: the prompt '{shown}' is {n} tokens and the text encoder reads {limit}: it and any "
+                    "other prompt this long are truncated (said once per run).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._truncation_said = True
+                return
 
     # ---- parts ----
     @property

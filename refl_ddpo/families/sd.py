@@ -24,6 +24,7 @@ class StableDiffusion(ModelFamily):
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+        self.check_prompt_lengths(prompts)
         prompt_embeds, negative = self.pipe.encode_prompt(prompts, self.pipe.device, 1, with_negative)
         return {"prompt_embeds": prompt_embeds}, (None if negative is None else {"prompt_embeds": negative})
 

@@ -45,6 +45,7 @@ class StableDiffusion3(ModelFamily):
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt` (both CLIPs, T5 or its zero padding when dropped); the negative is the
         empty prompt, as the pipeline's default."""
+        self.check_prompt_lengths(prompts)
         embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,

@@ -111,6 +111,7 @@ def train_on_samples(
     kl_weight: float = 0.0,
     max_grad_norm: float = 0.0,
     skip_last_steps: int = 0,
+    on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
     """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
 
@@ -118,8 +119,9 @@ def train_on_samples(
     when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
     x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
     trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
-    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step;
-    a non-finite gradient norm raises FloatingPointError before the update (on every process alike).
+    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
+    also handed to `on_step` as each step ends (a progress bar); a non-finite gradient norm raises FloatingPointError
+    before the update (on every process alike).
     """
     from refl_ddpo.lora import adapters_off
 
@@ -181,12 +183,17 @@ def train_on_samples(
                 )
                 results.append({**{k: float(v) for k, v in means.items()}, "grad_norm": grad_norm})
                 acc = defaultdict(list)
+                if on_step is not None:
+                    on_step(results[-1])
     return results
 
 
 # --------------------------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------------------------
+
+
+POSTFIX_KEYS = ("loss", "approx_kl", "clipfrac", "kl")  # the training bar's metrics (train_on_samples' info)
 
 
 def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHook:
@@ -272,9 +279,11 @@ def grouped_epoch(
 def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:
     """Run DDPO (or GRPO, with a `GRPOConfig`) as configured; returns the output folder (final LoRA + config.json
     at its top)."""
-    from accelerate.utils import gather_object, set_seed
-    from tqdm.auto import tqdm
+    import time
 
+    from accelerate.utils import gather_object, set_seed
+
+    from refl_ddpo.progress import progress_bar, run_clock
     from refl_ddpo.prompts import get_prompt_fn
     from refl_ddpo.rewards import build_reward, parse_reward_spec, reward_stats
     from refl_ddpo.training import (
@@ -341,15 +350,26 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
 
     executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
     train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
-    bar = tqdm(
-        range(first_epoch, cfg.num_epochs),
-        desc=f"{name.upper()} epochs",
-        disable=not accelerator.is_local_main_process,
-        initial=first_epoch,
-        total=cfg.num_epochs,
-    )
+    steps_per_epoch = epoch_sizes(cfg, accelerator.num_processes)["optimizer steps per epoch"]
+    started = time.perf_counter()
+
+    def phase_bar(epoch: int, phase: str, total: int, unit: str):
+        """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
+        return progress_bar(
+            total,
+            f"epoch {epoch + 1}/{cfg.num_epochs} {phase}",
+            unit=unit,
+            leave=False,
+            enabled=accelerator.is_local_main_process,
+        )
+
+    def step_done(info: dict[str, float]) -> None:
+        """One tick of the epoch's training bar per optimizer step, its metrics as the postfix."""
+        bar.set_postfix({k: f"{info[k]:.3g}" for k in POSTFIX_KEYS if k in info}, refresh=False)
+        bar.update(1)
+
     try:
-        for epoch in bar:
+        for epoch in range(first_epoch, cfg.num_epochs):
             # ---- sampling (prompts, noise and shuffles seeded by (seed, epoch, process): resumable) ----
             network.eval()
             initial_noise, window = None, None
@@ -362,25 +382,27 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                     cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
                     seed=stream_seed(cfg.seed, epoch, rank, 0),
                 )
-            batches = sample_epoch(
-                family,
-                scheduler,
-                prompt_fn,
-                reward,
-                uncond,
-                batch_size=cfg.sample_batch_size,
-                num_batches=cfg.sample_num_batches_per_epoch,
-                num_steps=cfg.sample_num_steps,
-                guidance_scale=cfg.sample_guidance_scale,
-                eta=cfg.sample_eta,
-                resolution=cfg.resolution,
-                generator=seeded_generator(cfg.seed, epoch, rank, 1),
-                network=network,
-                autocast=accelerator.autocast,
-                executor=executor,
-                initial_noise=initial_noise,
-                sde_window=window,
-            )
+            with phase_bar(epoch, "sampling", cfg.sample_num_batches_per_epoch, "batch") as bar:
+                batches = sample_epoch(
+                    family,
+                    scheduler,
+                    prompt_fn,
+                    reward,
+                    uncond,
+                    batch_size=cfg.sample_batch_size,
+                    num_batches=cfg.sample_num_batches_per_epoch,
+                    num_steps=cfg.sample_num_steps,
+                    guidance_scale=cfg.sample_guidance_scale,
+                    eta=cfg.sample_eta,
+                    resolution=cfg.resolution,
+                    generator=seeded_generator(cfg.seed, epoch, rank, 1),
+                    network=network,
+                    autocast=accelerator.autocast,
+                    executor=executor,
+                    initial_noise=initial_noise,
+                    sde_window=window,
+                    on_batch=lambda _, tick=bar.update: tick(1),
+                )
             collect_rewards(batches)
 
             # ---- rewards -> advantages, over all processes ----
@@ -421,11 +443,15 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                 stats[f"{name}/nonfinite_rewards_dropped"] = dropped
             accelerator.log({**stats, f"{name}/epoch": epoch}, step=global_step)
             if main:
-                bar.write(
-                    f"epoch {epoch + 1}/{cfg.num_epochs}: {len(all_rewards)} rewards from "
+                clock = run_clock(
+                    time.perf_counter() - started, epoch + 1 - first_epoch, cfg.num_epochs - epoch - 1
+                )
+                print(
+                    f"epoch {epoch + 1}/{cfg.num_epochs} ({clock}): {len(all_rewards)} rewards from "
                     f"{accelerator.num_processes} process(es)"
                     + (f" ({dropped} non-finite, dropped), " if dropped else ", ")
-                    + ", ".join(f"{k} {v:.4g}" for k, v in stats.items())
+                    + ", ".join(f"{k} {v:.4g}" for k, v in stats.items()),
+                    flush=True,
                 )
                 hook(
                     [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in batches],
@@ -436,6 +462,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             # ---- training ----
             samples = stack_samples(batches, advantages)
             del batches
+            bar = phase_bar(epoch, "training", steps_per_epoch, "step")
             for inner_epoch in range(cfg.train_num_inner_epochs):
                 try:
                     steps = train_on_samples(
@@ -458,8 +485,10 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                         max_grad_norm=cfg.max_grad_norm,
                         # a window's trajectory holds its steps only, all trainable
                         skip_last_steps=0 if window is not None else cfg.train_skip_last_steps,
+                        on_step=step_done,
                     )
                 except FloatingPointError as e:
+                    bar.close()
                     raise nonfinite_step_error(
                         cfg,
                         f"{e} in epoch {epoch + 1}",
@@ -471,6 +500,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                         step=global_step,
                     )
                     global_step += 1
+            bar.close()
 
             # ---- state ----
             done = epoch + 1
@@ -484,7 +514,6 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     finally:
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
-        bar.close()
 
     save_final(accelerator, network, cfg)
     check_identical_weights(accelerator, params)

@@ -198,8 +198,8 @@ def preflight(cfg: ReFLConfig):
 def train(cfg: ReFLConfig) -> None:
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
-    from tqdm.auto import tqdm
 
+    from refl_ddpo.progress import progress_bar
     from refl_ddpo.rewards import count_nonfinite, reward_stats
     from refl_ddpo.training import (
         load_checkpoint,
@@ -298,11 +298,12 @@ def train(cfg: ReFLConfig) -> None:
         checksum_file.parent.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             checksum_file.write_text("")
-    progress = tqdm(
+    progress = progress_bar(
         total=cfg.max_train_steps,
         initial=start_step,
         desc="ReFL",
-        disable=not accelerator.is_local_main_process,
+        unit="step",
+        enabled=accelerator.is_local_main_process,
     )
 
     network.train()
@@ -397,9 +398,11 @@ def train(cfg: ReFLConfig) -> None:
         if pretrain_data is not None:
             logs["refl/pretrain_loss"] = losses[2]
         accelerator.log(logs, step=global_step)
-        progress.update(1)
         mean_key = next(iter(stats))
-        progress.set_postfix(loss=f"{logs['refl/loss']:.4g}", reward=f"{stats[mean_key]:.3f}", k=k)
+        progress.set_postfix(
+            loss=f"{logs['refl/loss']:.4g}", reward=f"{stats[mean_key]:.3f}", k=k, refresh=False
+        )
+        progress.update(1)  # draws the postfix with it
         if cfg.image_log_steps and global_step % cfg.image_log_steps == 0:
             captions = [f"{p} | r={r:.2f}" for p, r in zip(batch_prompts, out.rewards.tolist())]
             log_image_grid(accelerator, "refl/pred_x0", out.images, captions, global_step)
