@@ -227,3 +227,51 @@ def test_serve_refuses_bad_flags_before_loading(tmp_path):
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("where", ["in_process", "remote"])
+def test_async_scoring_equals_sync(served, tiny_models, where):
+    """The DDPO / GRPO sampler with a thread pool scores the same images to the same rewards as without (the
+    trajectories, drawn from the same generator, are identical too), for a reward in process and over HTTP."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diffusers import DDIMScheduler
+
+    from refl_ddpo.families import load_family
+    from refl_ddpo.rollouts import collect_rewards, sample_epoch
+
+    spec, url = served
+    reward = build_reward(
+        spec if where == "in_process" else f"remote:{url}", "cpu", model_dir=str(tiny_models)
+    )
+    family = load_family(str(tiny_models / "stable-diffusion"))
+    family.pipe.scheduler = DDIMScheduler.from_config(family.pipe.scheduler.config)
+    negative, _ = family.encode_prompts([""], with_negative=False)
+
+    def run(executor):
+        prompts = iter(["a cat", "a dog", "a red bird"] * 4)
+        batches = sample_epoch(
+            family,
+            family.pipe.scheduler,
+            lambda: (next(prompts), {}),
+            reward,
+            negative,
+            batch_size=2,
+            num_batches=3,
+            num_steps=3,
+            guidance_scale=5.0,
+            eta=1.0,
+            resolution=32,
+            generator=torch.Generator().manual_seed(0),
+            executor=executor,
+        )
+        collect_rewards(batches)
+        return batches
+
+    sync = run(None)
+    with ThreadPoolExecutor(2) as pool:
+        overlapped = run(pool)
+    for a, b in zip(sync, overlapped, strict=True):
+        assert torch.equal(a.next_latents, b.next_latents) and torch.equal(a.log_probs, b.log_probs)
+        assert torch.equal(a.rewards[0], b.rewards[0]), (a.rewards[0], b.rewards[0])
+        assert a.rewards[1].keys() == b.rewards[1].keys()
