@@ -10,6 +10,9 @@ writes
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
     OUT/aesthetic/          tiny CLIP ViT + LAION-style linear head (see refl_ddpo.rewards.aesthetic)
+    OUT/pickscore/, OUT/clip_score/   tiny CLIPModel + processor folders (refl_ddpo.rewards.clip)
+    OUT/hpsv2/              tiny open_clip ViT in the 'local-dir' layout (refl_ddpo.rewards.hpsv2)
+    OUT/bertscore/          tiny BERT for vlm_bertscore's BERTScore recall (refl_ddpo.rewards.vlm)
 
 Same code paths and file layouts as the real weights, random values from fixed seeds, a few MB, a few seconds.
 The models are random: images are noise and rewards mean nothing except that they can be optimised.
@@ -305,7 +308,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
     """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
-    from refl_ddpo.rewards import aesthetic, imagereward
+    from refl_ddpo.rewards import aesthetic, clip, hpsv2, imagereward, vlm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -313,6 +316,9 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     write_tiny_stable_diffusion_3(out, seed)
     imagereward.write_tiny(out, seed=seed)
     aesthetic.write_tiny(out / "aesthetic", seed=seed)
+    clip.write_tiny(out, seed=seed)
+    hpsv2.write_tiny(out, seed=seed)
+    vlm.write_tiny(out, seed=seed)
     if denoiser_steps:
         write_tiny_stable_diffusion(out, seed, denoiser_steps)
     return out

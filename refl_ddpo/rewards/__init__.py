@@ -36,12 +36,22 @@ RewardFactory = Callable[
 # name -> (module, factory function, differentiable)
 REWARDS: dict[str, tuple[str, str, bool]] = {
     "aesthetic": ("refl_ddpo.rewards.aesthetic", "aesthetic", True),
+    "clip_score": ("refl_ddpo.rewards.clip", "clip_score", True),
+    "hpsv2": ("refl_ddpo.rewards.hpsv2", "hpsv2", True),
     "imagereward": ("refl_ddpo.rewards.imagereward", "imagereward", True),
     "jpeg_compressibility": ("refl_ddpo.rewards.jpeg", "jpeg_compressibility", False),
     "jpeg_incompressibility": ("refl_ddpo.rewards.jpeg", "jpeg_incompressibility", False),
+    "pickscore": ("refl_ddpo.rewards.clip", "pickscore", True),
+    "remote": ("refl_ddpo.rewards.remote", "remote", False),
     "toy_classifier": ("refl_ddpo.rewards.toy", "toy_classifier", True),
     "toy_color_match": ("refl_ddpo.rewards.toy", "toy_color_match", False),
+    "vlm_bertscore": ("refl_ddpo.rewards.vlm", "vlm_bertscore", False),
+    "vlm_judge": ("refl_ddpo.rewards.vlm", "vlm_judge", False),
 }
+# Rewards that take a URL after the name: `remote:URL` (required: the reward server), `vlm_judge:URL` and
+# `vlm_bertscore:URL` (optional: the OpenAI-compatible server; default $OPENAI_BASE_URL). A weight follows the URL
+# after '@' (`remote:http://host:8000@0.5`), since a URL has colons of its own.
+URL_REWARDS: dict[str, bool] = {"remote": True, "vlm_judge": False, "vlm_bertscore": False}
 
 
 # Files a reward reads from --reward_model_dir, checked before any model loads; hub: a hub id may stand for the folder.
@@ -89,15 +99,57 @@ def available() -> list[str]:
     return sorted(REWARDS)
 
 
+def base_name(name: str) -> str:
+    """The registry name of a spec's reward: 'remote:http://h:1' -> 'remote', 'pickscore' -> 'pickscore'."""
+    return name.partition(":")[0]
+
+
+def reward_url(name: str) -> str | None:
+    """The URL of 'remote:URL' / 'vlm_judge:URL'; None for a reward named without one."""
+    base, _, url = name.partition(":")
+    return url if base in URL_REWARDS and url else None
+
+
+def _parse_url_part(part: str) -> tuple[str, str]:
+    """'remote:URL[@w]' -> ('remote:URL', 'w' or ''); 'vlm_judge[:w]' -> ('vlm_judge', 'w' or '')."""
+    from urllib.parse import urlsplit
+
+    base, _, rest = part.partition(":")
+    if not rest.startswith(("http://", "https://")):
+        if URL_REWARDS[base]:
+            raise UserError(
+                f"--reward {part}: {base} needs the server's URL, e.g. {base}:http://127.0.0.1:8000 "
+                "(start one with `python -m refl_ddpo.rewards.serve --reward NAME --port 8000`)."
+            )
+        return base, rest
+    url, weight = rest, ""
+    head, sep, tail = rest.rpartition("@")
+    if sep and re.fullmatch(r"[-+0-9.eEinfa]+", tail):
+        url, weight = head, tail
+    parts = urlsplit(url)
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise UserError(
+            f"--reward {part}: '{url}' is not an http(s) URL with a host (e.g. http://127.0.0.1:8000)."
+        )
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        raise UserError(f"--reward {part}: '{url}' has a port that is not a number.") from None
+    return f"{base}:{url}", weight
+
+
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """'a:1.0,b:0.5' -> [('a', 1.0), ('b', 0.5)]; 'a' -> [('a', 1.0)]. Checks names, no model is loaded."""
+    """'a:1.0,b:0.5' -> [('a', 1.0), ('b', 0.5)]; 'a' -> [('a', 1.0)]; 'remote:URL@0.5' -> [('remote:URL', 0.5)].
+    Checks names, no model is loaded."""
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, weight = part.partition(":")
-        if name not in REWARDS:
+        if name in URL_REWARDS:
+            name, weight = _parse_url_part(part)
+        elif name not in REWARDS:
             raise UserError(
                 f"--reward: unknown reward '{name}'; choose from {', '.join(available())} "
-                "(weighted sums as name:weight,name:weight)."
+                "(weighted sums as name:weight,name:weight; remote:URL for a reward server)."
             )
         try:
             value = float(weight) if weight else 1.0
@@ -114,11 +166,11 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def is_differentiable(spec: str) -> bool:
-    return all(REWARDS[name][2] for name, _ in parse_reward_spec(spec))
+    return all(REWARDS[base_name(name)][2] for name, _ in parse_reward_spec(spec))
 
 
 def factory(name: str) -> RewardFactory:
-    module, fn, _ = REWARDS[name]
+    module, fn, _ = REWARDS[base_name(name)]
     return getattr(importlib.import_module(module), fn)
 
 
@@ -128,15 +180,17 @@ def build_reward(
     """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5').
 
     `options` maps a reward name to extra keyword arguments of its factory, e.g. {"imagereward": {"antialias":
-    False}}."""
+    False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`."""
     import torch
 
     parts = parse_reward_spec(spec)
     device, dtype, options = torch.device(device), dtype or torch.float32, options or {}
-    built = [
-        (name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **options.get(name, {})))
-        for name, w in parts
-    ]
+    built = []
+    for name, w in parts:
+        kwargs = dict(options.get(base_name(name), {}))
+        if reward_url(name):
+            kwargs["url"] = reward_url(name)
+        built.append((name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **kwargs)))
     differentiable = is_differentiable(spec)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]

@@ -317,7 +317,9 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         )
     optimizer = make_optimizer(params, cfg)
     network, optimizer = accelerator.prepare(family.network, optimizer)
-    reward = build_reward(cfg.reward, accelerator.device, dtype, cfg.reward_model_dir)
+    vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
+    options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
+    reward = build_reward(cfg.reward, accelerator.device, dtype, cfg.reward_model_dir, options=options)
     uncond, _ = family.encode_prompts([""], with_negative=False)  # batch 1
     tracker = (
         PerPromptStatTracker(cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -22,13 +23,14 @@ class DDPOConfig(CommonConfig):
     preset: str | None = field_(
         None,
         "A recipe as defaults (ddpo-pytorch's config/dgx.py experiments, or toy_world); --config and flags override "
-        "it. prompt_image_alignment needs a LLaVA + BERTScore server that this kit does not ship and is refused.",
+        "it. prompt_image_alignment asks a VLM on an OpenAI-compatible server (OPENAI_BASE_URL) to describe each "
+        "image and rewards the BERTScore recall of the prompt (reward vlm_bertscore).",
         group="recipe",
     )
     reward: str = field_(
         "jpeg_compressibility",
         "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
-        "imagereward).",
+        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server).",
         group="reward and prompts",
     )
     prompt_fn: Literal["imagenet_animals", "simple_animals", "toy_world_train", "from_file"] | None = field_(
@@ -103,6 +105,16 @@ class DDPOConfig(CommonConfig):
         "logged as ddpo/nonfinite_rewards_dropped). All of an epoch's rewards non-finite always stops.",
         group="rewards",
     )
+    vlm_model: str | None = field_(
+        None,
+        "Model that vlm_judge / vlm_bertscore ask on their OpenAI-compatible server; default: the first of its "
+        "/v1/models.",
+    )
+    vlm_question: str | None = field_(
+        None,
+        "Question vlm_judge / vlm_bertscore ask about each image ({prompt} is replaced by the prompt); default: "
+        "'Does this image show {prompt}? Answer yes or no.' / 'Describe this image in one sentence.'",
+    )
     async_reward_computation: bool = field_(
         False, "Compute rewards in a thread pool while sampling continues."
     )
@@ -154,11 +166,6 @@ class DDPOConfig(CommonConfig):
                     f"--{alias} is an alias of --{name}: give only one of them."
                 )
         super().check()
-        if self.preset == "prompt_image_alignment":
-            raise UserError(
-                "--preset prompt_image_alignment needs ddpo-pytorch's LLaVA + BERTScore reward server, "
-                "which this kit does not ship; for a prompt-alignment reward use --reward imagereward."
-            )
         if self.checkpointing_steps != 0:
             raise UserError(
                 "--checkpointing_steps is not used by DDPO, which checkpoints by epoch: use --save_freq "
@@ -230,7 +237,15 @@ class DDPOConfig(CommonConfig):
             raise UserError(
                 "--kl_weight (--beta) needs --use_lora: the base model is the UNet with the LoRA switched off."
             )
-        parse_reward_spec(self.reward)  # unknown names and bad weights fail here, before any model is loaded
+        for name, _ in parse_reward_spec(
+            self.reward
+        ):  # unknown names and bad weights fail here, before loading
+            if name in ("vlm_judge", "vlm_bertscore") and not os.environ.get("OPENAI_BASE_URL"):
+                via = f" (from --preset {self.preset})" if self.preset else ""
+                raise UserError(
+                    f"--reward {self.reward}{via} asks a VLM on an OpenAI-compatible server: set "
+                    f"OPENAI_BASE_URL=http://HOST:PORT/v1 (vLLM, sglang, ...) or write --reward {name}:URL."
+                )
         if self.prompt_fn == "from_file":
             if not self.prompts_file:
                 raise UserError("--prompt_fn from_file needs --prompts_file PATH (one prompt per line).")
@@ -318,8 +333,13 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
         "prompt_fn": "simple_animals",
         "per_prompt_stat_tracking_buffer_size": 32,
     },
-    "prompt_image_alignment": {  # refused in check(): its reward is a LLaVA server
+    # ddpo-pytorch's LLaVA + BERTScore experiment: any VLM on an OpenAI-compatible server (OPENAI_BASE_URL) describes
+    # the image, BERTScore recall of the prompt is computed here (reward_model_dir/bertscore or roberta-large).
+    # ddpo-pytorch's prompts were "a(n) {animal} {activity}"; here the animals alone (simple_animals).
+    "prompt_image_alignment": {
         **_COMPRESSIBILITY,
+        "reward": "vlm_bertscore",
+        "prompt_fn": "simple_animals",
         "num_epochs": 200,
         "sample_num_batches_per_epoch": 6,
         "train_gradient_accumulation_steps": 6,

@@ -108,7 +108,7 @@ class ReFLConfig(CommonConfig):
 
     def check(self) -> None:
         super().check()
-        from refl_ddpo.rewards import available, is_differentiable, parse_reward_spec
+        from refl_ddpo.rewards import REWARDS, available, is_differentiable, parse_reward_spec
 
         T = self.num_inference_steps
         self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
@@ -128,7 +128,7 @@ class ReFLConfig(CommonConfig):
         if self.guidance_scale < 1:
             raise UserError(f"--guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}.")
         if not is_differentiable(self.reward):  # also refuses unknown names, with the list of known ones
-            names = ", ".join(n for n in available() if is_differentiable(n))
+            names = ", ".join(n for n in available() if REWARDS[n][2])
             raise UserError(
                 f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
                 f"reward: choose a differentiable one ({names}) or train this reward with DDPO."

@@ -1,0 +1,215 @@
+"""`remote:URL`: a reward scored by a reward server (`python -m refl_ddpo.rewards.serve`) over HTTP. Not
+differentiable (JSON carries no gradient): DDPO / GRPO and inference use it, ReFL refuses it.
+
+Wire format (JSON only, no pickle), shared with refl_ddpo.rewards.serve:
+
+    GET  /health  -> {"status": "ok", "reward": SPEC, "differentiable": bool}
+    POST /score   {"images": IMAGES, "prompts": [str] * B, "metadata": [dict] * B}
+                  -> {"rewards": [float] * B, "info": {key: [float] * B or float}}
+                  an error -> HTTP 4xx / 5xx with {"error": "one line"}
+
+    IMAGES is {"encoding": "raw", "dtype": "float32" | "uint8", "shape": [B, 3, H, W], "data": base64 of the
+    C-order bytes} (float32 in [0, 1], or uint8 0..255), or {"encoding": "png", "data": [base64 PNG] * B}.
+
+The client sends raw float32, so the server scores exactly the tensor the trainer holds: `remote:` equals the
+reward in process (tests/test_remote_reward.py checks it to 1e-4). Each batch is one request, scored by the server in
+one call. Timeouts, a few retries with backoff on connection errors, timeouts and 5xx answers, and a one-line
+UserError naming the URL when the server is down, slow, or answers something that is not the format above.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import torch
+
+from refl_ddpo.errors import UserError
+
+TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU can take a while)
+RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers
+BACKOFF_S = 0.5  # waits 0.5, 1, 2 s between attempts
+MAX_ERROR_CHARS = 300
+
+
+# ---- wire format ----
+
+
+def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
+    """images [B, 3, H, W] in [0, 1] -> the JSON object of the wire format (raw bytes, base64)."""
+    x = images.detach().float().cpu()
+    if dtype == "uint8":
+        arr = (x.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    else:
+        arr = x.numpy().astype("<f4")
+    data = base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+    return {"encoding": "raw", "dtype": dtype, "shape": list(arr.shape), "data": data}
+
+
+def decode_images(obj) -> torch.Tensor:
+    """The wire format's IMAGES -> float32 [B, 3, H, W] in [0, 1]; ValueError with one line for anything else."""
+    if not isinstance(obj, dict):
+        raise ValueError("'images' must be an object with 'encoding' raw or png")  # noqa: TRY004 (a 400)
+    encoding = obj.get("encoding", "raw")
+    if encoding == "png":
+        from PIL import Image
+
+        data = obj.get("data")
+        if not isinstance(data, list) or not data:
+            raise ValueError("png images: 'data' must be a non-empty list of base64 PNG strings")
+        arrays = []
+        for i, item in enumerate(data):
+            try:
+                with Image.open(io.BytesIO(base64.b64decode(item, validate=True))) as im:
+                    arrays.append(np.asarray(im.convert("RGB")))
+            except Exception as e:  # noqa: BLE001 (PIL raises many kinds on bad bytes)
+                raise ValueError(f"png image {i} could not be read ({type(e).__name__})") from None
+        if len({a.shape for a in arrays}) != 1:
+            raise ValueError("png images must all have the same size")
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+    if encoding != "raw":
+        raise ValueError(f"unknown image encoding {encoding!r} (raw or png)")
+    dtype, shape = obj.get("dtype"), obj.get("shape")
+    if dtype not in ("float32", "uint8"):
+        raise ValueError(f"raw images: dtype must be float32 or uint8, got {dtype!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 4
+        or shape[1] != 3
+        or not all(isinstance(n, int) and n > 0 for n in shape)
+    ):
+        raise ValueError(f"raw images: shape must be [B, 3, H, W] of positive ints, got {shape!r}")
+    try:
+        raw = base64.b64decode(obj.get("data", ""), validate=True)
+    except (ValueError, TypeError):
+        raise ValueError("raw images: 'data' is not base64") from None
+    np_dtype = np.dtype("<f4") if dtype == "float32" else np.uint8
+    if len(raw) != math.prod(shape) * np_dtype.itemsize:
+        raise ValueError(f"raw images: {len(raw)} bytes do not hold {dtype} of shape {shape}")
+    arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+    x = torch.from_numpy(arr.copy())
+    return x.float() / 255 if dtype == "uint8" else x
+
+
+def jsonable_info(info: dict, batch: int) -> dict:
+    """The info dict's scalars and (B,) tensors as JSON numbers; other entries are left out."""
+    out = {}
+    for key, value in info.items():
+        if torch.is_tensor(value):
+            value = value.detach().float().cpu()
+            if value.ndim == 0:
+                out[key] = float(value)
+            elif value.shape == (batch,):
+                out[key] = [float(v) for v in value]
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+# ---- client ----
+
+
+def _first_line(text: str) -> str:
+    return (str(text).strip().splitlines() or [""])[0][:MAX_ERROR_CHARS]
+
+
+class RemoteReward:
+    """Calls a reward server: `__call__(images, prompts, metadata) -> (rewards (B,), info)` like any reward."""
+
+    def __init__(
+        self, url: str, timeout: float = TIMEOUT_S, retries: int = RETRIES, backoff: float = BACKOFF_S
+    ):
+        self.url = url.rstrip("/")
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+
+    def _request(self, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
+        """JSON in, JSON out, with retries; every failure is a one-line UserError naming the URL."""
+        url = self.url + path
+        data = None if payload is None else json.dumps(payload, default=str).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(url, data=data, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as e:
+                try:
+                    message = json.loads(e.read() or b"{}").get("error", "")
+                except (ValueError, AttributeError):
+                    message = ""
+                last = f"HTTP {e.code} {e.reason}" + (f": {_first_line(message)}" if message else "")
+                if e.code < 500:  # our request was wrong (or the URL is): asking again will not help
+                    break
+                continue
+            except (TimeoutError, OSError) as e:  # URLError is an OSError; so are refused connections
+                reason = getattr(e, "reason", e)
+                if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                    reason = f"no answer within {timeout or self.timeout:g} s"
+                last = _first_line(str(reason)) or type(e).__name__
+                continue
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                raise UserError(
+                    f"reward server {self.url}: {path} answered something that is not JSON "
+                    f"({_first_line(body.decode('utf-8', 'replace'))[:80]!r}); is {self.url} a refl_ddpo reward "
+                    "server (python -m refl_ddpo.rewards.serve)?"
+                ) from None
+            if not isinstance(answer, dict):
+                raise UserError(f"reward server {self.url}: {path} answered JSON that is not an object.")
+            return answer
+        raise UserError(
+            f"reward server {self.url}: {path} failed after {self.retries + 1} attempt(s) ({last}); check that "
+            "`python -m refl_ddpo.rewards.serve` runs there and the URL is right."
+        )
+
+    def health(self, timeout: float = 10.0) -> dict:
+        answer = self._request("/health", timeout=timeout)
+        if answer.get("status") != "ok":
+            raise UserError(f"reward server {self.url}: /health answered {json.dumps(answer)[:120]}.")
+        return answer
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        batch = len(images)
+        answer = self._request(
+            "/score",
+            {"images": encode_images(images), "prompts": list(prompts), "metadata": list(metadata)},
+        )
+        rewards = answer.get("rewards")
+        if (
+            not isinstance(rewards, list)
+            or len(rewards) != batch
+            or not all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
+        ):
+            raise UserError(
+                f"reward server {self.url}: /score answered {json.dumps(answer)[:120]}, not {batch} rewards "
+                "as a list of numbers under 'rewards'."
+            )
+        info = {}
+        for key, value in (answer.get("info") or {}).items():
+            if isinstance(value, list) and len(value) == batch:
+                info[key] = torch.tensor(value, dtype=torch.float32)
+            elif isinstance(value, int | float):
+                info[key] = torch.tensor(float(value))
+        return torch.tensor(rewards, dtype=torch.float32), info
+
+
+def remote(device: torch.device, dtype: torch.dtype, model_dir: str, url: str, **options):
+    """The reward of the server at `url`; checks /health first, so a server that is down fails before training."""
+    client = RemoteReward(url, **options)
+    client.health()
+
+    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        rewards, info = client(images, prompts, metadata)
+        return rewards.to(device), {k: v.to(device) for k, v in info.items()}
+
+    return reward_fn
