@@ -296,3 +296,39 @@ def test_bad_backprop_flags_are_one_line_errors(tiny_models, tmp_path, capsys, f
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], lines
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_two_processes_stay_identical_with_checkpointed_draft(tiny_models, tmp_path):
+    """DDP with the K network calls checkpointed (recomputed in backward through the wrapped network): the shell script
+    on two CPU processes keeps the ranks' LoRA identical after every step, while they saw different samples."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
+    env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", NUM_PROCESSES="2")
+    flags = _args(tiny_models, out, "--backprop_steps", "3", "--debug_lora_checksums")
+    flags += ["--gradient_accumulation_steps", "2", "--max_train_steps", "3"]
+    r = subprocess.run(
+        ["bash", "train_scripts/train_refl_lora.sh", *flags],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "DRaFT-3: the last K steps with grad (network checkpointed)" in r.stdout
+    ranks = [
+        [
+            json.loads(line)
+            for line in (out / "debug" / f"lora_checksums_rank{i}.jsonl").read_text().splitlines()
+        ]
+        for i in (0, 1)
+    ]
+    assert [x["sha256"] for x in ranks[0]] == [x["sha256"] for x in ranks[1]], "ranks diverged"
+    assert len({x["sha256"] for x in ranks[0]}) == 3, "the weights change every step"
+    assert [x["refl_loss"] for x in ranks[0]] != [x["refl_loss"] for x in ranks[1]]

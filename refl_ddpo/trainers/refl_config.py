@@ -130,13 +130,14 @@ class ReFLConfig(CommonConfig):
 
         T = self.num_inference_steps
         self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
-        if self.k_lo < 0:
+        reflk = self.backprop_range() is None  # k_lo / k_hi are ReFL's: unused (and unchecked) under DRaFT
+        if reflk and self.k_lo < 0:
             raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
-        if self.k_lo > self.k_hi:
+        if reflk and self.k_lo > self.k_hi:
             raise UserError(
                 f"--k_lo {self.k_lo} > --k_hi {self.k_hi}: k is drawn from k_lo..k_hi; make k_lo <= k_hi."
             )
-        if self.k_hi >= T:
+        if reflk and self.k_hi >= T:
             raise UserError(
                 f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
                 f"lower --k_hi or raise --num_inference_steps."
