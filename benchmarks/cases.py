@@ -28,7 +28,7 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
     on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.refl import refl_step
+        from refl_ddpo.trainers.refl import draft_step, refl_step
 
         if sd3_t5 is None:
             base_unet, params = b.trainable_unet(mode)
@@ -43,6 +43,8 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
         unet, optimizer = b.prepare(base_unet, params, None)
         b.finish(unet, family.vae, reward_model)
         reward, acc, k = b.imagereward(reward_model), b.accelerator, b.cfg.refl_k
+        # DRaFT-K (--refl_backprop_steps K): the whole run, the last K steps with grad
+        step_fn, k = (draft_step, b.cfg.refl_backprop_steps) if b.cfg.refl_backprop_steps else (refl_step, k)
         unet.train()
 
         def run():
@@ -50,7 +52,7 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
             with acc.accumulate(unet):
                 cond, _ = family.encode_prompts(prompts, with_negative=False)
                 noise = family.initial_noise(batch, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                out = refl_step(
+                out = step_fn(
                     family,
                     scheduler,
                     reward,
@@ -299,6 +301,9 @@ def make_cases(cfg: BenchConfig) -> list[Case]:
             case.settings.update(
                 steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm"
             )
+            if cfg.refl_backprop_steps:
+                del case.settings["k"]
+                case.settings.update(backprop_steps=cfg.refl_backprop_steps, unet_calls=cfg.refl_steps)
         elif case.bench.startswith("ddpo"):
             case.settings.update(steps=cfg.ddpo_steps, guidance_scale=cfg.ddpo_guidance_scale, eta=1.0)
         elif case.bench == "inference":

@@ -54,6 +54,11 @@ class BenchConfig(ConfigBase):
         "The ReFL step that runs with grad (the trainer draws it from 30..39; fixed to time "
         "it: k + 1 UNet calls per step, the mean of the draw is 35.5).",
     )
+    refl_backprop_steps: int = field_(
+        0,
+        "0: ReFL (one grad step, --refl_k); K >= 1: DRaFT-K on the ReFL case (all --refl_steps steps, the last K "
+        "with grad, each network call checkpointed when K > 1: the trainer's --backprop_steps K).",
+    )
     grad_scale: float = field_(
         1e-3, "ReFL loss scale (the reference's 1e-3; values do not change the speed)."
     )
@@ -139,6 +144,10 @@ class BenchConfig(ConfigBase):
         if self.compile and self.warmup < 1:
             raise UserError(
                 "--compile needs --warmup >= 1: compilation happens in the first run and must not be timed."
+            )
+        if not 0 <= self.refl_backprop_steps <= self.refl_steps:
+            raise UserError(
+                f"--refl_backprop_steps {self.refl_backprop_steps} must be in 0..--refl_steps ({self.refl_steps})."
             )
         if not 0 <= self.refl_k < self.refl_steps:
             raise UserError(f"--refl_k {self.refl_k} must be in 0..--refl_steps-1 ({self.refl_steps - 1}).")

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from refl_ddpo.families import Cond, ModelFamily
 
@@ -43,6 +44,7 @@ def denoise(
     keep_trajectory: bool = False,
     network=None,
     sde_steps: Collection[int] | None = None,
+    checkpoint_grad_steps: bool = False,
 ) -> DenoiseOutput:
     """Run the sampler from `noise` for steps 0..stop_at (default: all), gradient only on `grad_steps`.
 
@@ -51,6 +53,8 @@ def denoise(
     scheduler's own `step` runs with `eta` / `generator` where it takes them. `network` replaces the family's own
     (a DDP-wrapped copy while training). `sde_steps` (with `with_logprob`): only these steps are stochastic, the
     others take the deterministic step (eta 0, the ODE step) and log-probability 0 (Flow-GRPO-Fast, MixGRPO).
+    `checkpoint_grad_steps`: each grad step's network call runs under `torch.utils.checkpoint` (non-reentrant), so
+    backward recomputes its activations and the forward keeps only its inputs (DRaFT-K over K steps).
     """
     # The steps index the schedule with host timesteps, the network takes them on its device (one copy here).
     host_timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
@@ -66,8 +70,22 @@ def denoise(
         out.all_latents.append(latents)
     x0 = latents
     for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps)):
-        with torch.set_grad_enabled(grad_enabled and i in grad_steps):
-            model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
+        with_grad = grad_enabled and i in grad_steps
+        with torch.set_grad_enabled(with_grad):
+            if with_grad and checkpoint_grad_steps:
+                model_output = checkpoint(
+                    family.predict,
+                    latents,
+                    t,
+                    scheduler,
+                    cond,
+                    uncond,
+                    guidance_scale,
+                    network,
+                    use_reentrant=False,
+                )
+            else:
+                model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
             if with_logprob and sde_steps is not None and i not in sde_steps:
                 latents, x0 = family.step(scheduler, model_output, t_host, latents, 0.0, None)
                 out.log_probs.append(torch.zeros(latents.shape[0], device=latents.device))

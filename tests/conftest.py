@@ -14,7 +14,14 @@ torch.set_num_threads(1)
 
 
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones.
-LONG_FIRST = ("test_toy_learning", "test_toy_learning_sd3", "test_refl", "test_ddpo", "test_inference")
+LONG_FIRST = (
+    "test_toy_learning",
+    "test_toy_learning_draft",
+    "test_toy_learning_sd3",
+    "test_refl",
+    "test_ddpo",
+    "test_inference",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -19,3 +19,31 @@ def x0_kl(pred_x0: torch.Tensor, ref_pred_x0: torch.Tensor, weight: float) -> to
     affine in x0, so their KL is a per-timestep multiple of this term (DPOK, Fan et al. 2023, use the same).
     """
     return weight * F.mse_loss(pred_x0.float(), ref_pred_x0.float())
+
+
+# ---- beyond one step: DRaFT-K (Clark et al. 2023, "Directly Fine-Tuning Diffusion Models on Differentiable Rewards",
+# arXiv 2309.17400) and AlignProp (Prabhudesai et al. 2023, arXiv 2310.03739) ----
+
+
+def parse_backprop_steps(spec: str) -> tuple[int, int]:
+    """`--backprop_steps` -> (lo, hi): "K" is DRaFT-K (lo = hi = K); "random:LO-HI" is AlignProp's randomised
+    truncation (K uniform in LO..HI, inclusive). Raises ValueError on anything else or on K < 1."""
+    text = spec.strip()
+    try:
+        if text.startswith("random:"):
+            lo_text, hi_text = text.removeprefix("random:").split("-")
+            lo, hi = int(lo_text), int(hi_text)
+        else:
+            lo = hi = int(text)
+    except ValueError:
+        raise ValueError(f"{spec!r} is neither K nor random:LO-HI") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{spec!r}: need 1 <= K (and LO <= HI)")
+    return lo, hi
+
+
+def draft_grad_steps(num_inference_steps: int, k: int) -> range:
+    """The step indices that carry gradient in DRaFT-K: the last K of the T-step run (T - K .. T - 1)."""
+    if not 1 <= k <= num_inference_steps:
+        raise ValueError(f"K={k} outside 1..{num_inference_steps}")
+    return range(num_inference_steps - k, num_inference_steps)

@@ -143,6 +143,12 @@ class ModelFamily(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stochastic step of the policy-gradient trainers: (next latents, log-prob (B,), predicted x0)."""
 
+    def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
+        """The forward process q(x_t | x0) at `timestep` (a value of `scheduler.timesteps`) with this `noise`:
+        sqrt(a_t) x0 + sqrt(1 - a_t) noise (the scheduler's `add_noise`) for DDIM / DDPM."""
+        t = torch.as_tensor(timestep, device=x0.device).reshape(-1).expand(x0.shape[0])
+        return scheduler.add_noise(x0, noise, t)
+
     @abstractmethod
     def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
         """KL (B,) between the stochastic steps of two model outputs at the same state, per dimension."""

@@ -143,6 +143,11 @@ class StableDiffusion3(ModelFamily):
         )
         return prev, log_prob, flow_pred_x0(scheduler, model_output, timestep, latents)
 
+    def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
+        """The flow-matching forward process at `timestep`'s sigma: (1 - sigma) x0 + sigma noise."""
+        sigma = step_sigmas(scheduler, timestep, x0.shape[0])[0].to(x0.device)[:, None, None, None]
+        return ((1 - sigma) * x0.float() + sigma * noise.float()).to(x0.dtype)
+
     def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
         return flow_sde_step_kl(scheduler, model_output, ref_model_output, timesteps, eta)
 

@@ -115,6 +115,77 @@ def refl_step(
     return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised)
 
 
+def draft_step(
+    family: ModelFamily,
+    scheduler,
+    reward,
+    cond: Cond,
+    uncond: Cond | None,
+    prompts: list[str],
+    metadata: list[dict],
+    noise: torch.Tensor,
+    k: int,
+    *,
+    num_inference_steps: int,
+    guidance_scale: float = 1.0,
+    margin: float = 2.0,
+    grad_scale: float = 1e-3,
+    eta: float = 0.0,
+    generator: torch.Generator | None = None,
+    lv_copies: int = 0,
+    checkpoint_network: bool = True,
+    network=None,
+) -> ReFLStepOutput:
+    """DRaFT-K (Clark et al. 2023, Algorithm 1) and, with K drawn per step by the caller, AlignProp (Prabhudesai et
+    al. 2023): the whole T-step run, steps 0..T-K-1 without grad and the last K with grad, the final latents decoded
+    and scored; `loss = relu(margin - r).mean() * grad_scale` as ReFL's. `checkpoint_network` (with K > 1): each grad
+    step's network call is recomputed in backward, so only its inputs are kept between the K steps.
+
+    DRaFT-LV (`lv_copies` N, K = 1; Clark et al. Algorithm 2): N more copies of the last step, each on the final
+    latents (detached) re-noised to the last step's timestep by the forward process with fresh noise from
+    `generator`, denoised with grad in one batched call; the loss averages the rewards of all 1 + N images.
+    `.rewards` and `.images` are those of the sampler's own final images (B,), as in ReFL.
+    """
+    from diffusers.utils.torch_utils import randn_tensor
+
+    from refl_ddpo.algorithms.reward_backprop import draft_grad_steps
+    from refl_ddpo.families import cond_cat
+
+    if lv_copies and k != 1:
+        raise ValueError(f"DRaFT-LV re-noises the last step only: lv_copies={lv_copies} needs k=1, got {k}")
+    denoised = denoise(
+        family,
+        scheduler,
+        cond,
+        uncond,
+        noise,
+        num_inference_steps,
+        guidance_scale,
+        eta=eta,
+        generator=generator,
+        grad_steps=draft_grad_steps(num_inference_steps, k),
+        checkpoint_grad_steps=checkpoint_network and k > 1,
+        network=network,
+    )
+    batch = len(prompts)
+    finals = [denoised.latents]  # (B, C, h, w) with graph through the last k steps
+    if lv_copies:
+        t, t_host = denoised.timesteps[-1], scheduler.timesteps[-1]  # the last step's timestep (device, host)
+        x0 = denoised.latents.detach().repeat(lv_copies, 1, 1, 1)  # (N B, C, h, w)
+        eps = randn_tensor(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
+        x_t = family.add_noise(scheduler, x0, eps, t_host)  # N fresh draws of x_t ~ q(x_t | x0)
+        cond_n = cond_cat([cond] * lv_copies)
+        uncond_n = None if uncond is None else cond_cat([uncond] * lv_copies)
+        model_output = family.predict(x_t, t, scheduler, cond_n, uncond_n, guidance_scale, network)
+        copies, _ = family.step(scheduler, model_output, t_host, x_t, eta, generator)
+        finals.append(copies)
+        prompts, metadata = prompts * (1 + lv_copies), metadata * (1 + lv_copies)
+    images = family.decode(torch.cat(finals))  # [(1 + N) B, 3, H, W] in [0, 1]
+    rewards, _ = reward(images, prompts, metadata)  # [(1 + N) B]
+    loss = refl_loss(rewards, margin, grad_scale)
+    return ReFLStepOutput(loss, rewards[:batch], images[:batch], denoised)
+
+
 def kl_to_base(
     family: ModelFamily,
     scheduler,
@@ -284,6 +355,7 @@ def train(cfg: ReFLConfig) -> None:
             {
                 "model family": family.name,
                 "sampler": type(scheduler).__name__,
+                "reward backprop": _describe_backprop(cfg),
                 "processes": accelerator.num_processes,
                 "images per optimizer step": f"{batch} per process x {gas} accumulation x {accelerator.num_processes} "
                 f"process(es) = {batch * gas * accelerator.num_processes}",
@@ -307,8 +379,14 @@ def train(cfg: ReFLConfig) -> None:
     )
 
     network.train()
+    backprop = cfg.backprop_range()  # None: ReFL; (lo, hi): DRaFT-K (lo = hi) or AlignProp
     for step in range(start_step, cfg.max_train_steps):
-        k = int(torch.randint(cfg.k_lo, cfg.k_hi + 1, (), generator=k_generator))
+        if backprop is None:  # ReFL: the one grad step k
+            k = int(torch.randint(cfg.k_lo, cfg.k_hi + 1, (), generator=k_generator))
+        elif backprop[0] == backprop[1]:  # DRaFT-K: k steps with grad, no draw
+            k = backprop[0]
+        else:  # AlignProp: k steps with grad, drawn alike on every process
+            k = int(torch.randint(backprop[0], backprop[1] + 1, (), generator=k_generator))
         sums = {"refl": 0.0, "pretrain": 0.0, "kl": 0.0}
         rewards_seen = []
         lr = lr_scheduler.get_last_lr()[0]  # the lr this step's update uses
@@ -321,25 +399,25 @@ def train(cfg: ReFLConfig) -> None:
                 metadata = [dict(prompts[i][1]) for i in idx]
                 cond, uncond = family.encode_prompts(batch_prompts, with_negative=do_cfg)
                 noise = family.initial_noise(batch, cfg.resolution, generator, cond["prompt_embeds"].dtype)
-                out = refl_step(
-                    family,
-                    scheduler,
-                    reward,
-                    cond,
-                    uncond,
-                    batch_prompts,
-                    metadata,
-                    noise,
-                    k,
-                    num_inference_steps=cfg.num_inference_steps,
-                    guidance_scale=cfg.guidance_scale,
-                    margin=cfg.margin,
-                    grad_scale=cfg.grad_scale,
-                    eta=cfg.eta,
-                    generator=generator,
-                    keep_trajectory=cfg.kl_weight > 0,
-                    network=network,
-                )
+                common = {
+                    "num_inference_steps": cfg.num_inference_steps,
+                    "guidance_scale": cfg.guidance_scale,
+                    "margin": cfg.margin,
+                    "grad_scale": cfg.grad_scale,
+                    "eta": cfg.eta,
+                    "generator": generator,
+                    "network": network,
+                }
+                inputs = (family, scheduler, reward, cond, uncond, batch_prompts, metadata, noise, k)
+                if backprop is None:
+                    out = refl_step(*inputs, keep_trajectory=cfg.kl_weight > 0, **common)
+                else:
+                    out = draft_step(
+                        *inputs,
+                        lv_copies=cfg.draft_lv,
+                        checkpoint_network=cfg.backprop_checkpointing,
+                        **common,
+                    )
                 loss = out.loss
                 sums["refl"] += out.loss.item() / gas
                 # ---- regularisers ----
@@ -392,7 +470,8 @@ def train(cfg: ReFLConfig) -> None:
         )
         losses = losses.mean(0).tolist()
         stats = reward_stats(cfg.reward, rewards_all)
-        logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": float(grad_norm), "refl/k": k}
+        logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": float(grad_norm)}
+        logs["refl/k" if backprop is None else "refl/backprop_steps"] = k
         if cfg.kl_weight > 0:
             logs["refl/kl"] = losses[1]
         if pretrain_data is not None:
@@ -437,6 +516,18 @@ def train(cfg: ReFLConfig) -> None:
         ema.copy_to(params)  # the averaged weights are the result of an EMA run
     save_final(accelerator, network, cfg)
     accelerator.end_training()
+
+
+def _describe_backprop(cfg: ReFLConfig) -> str:
+    backprop = cfg.backprop_range()
+    if backprop is None:
+        return f"ReFL: one step k in {cfg.k_lo}..{cfg.k_hi} with grad, its predicted x0 scored"
+    lo, hi = backprop
+    name = f"DRaFT-{lo}" if lo == hi else f"AlignProp (K in {lo}..{hi})"
+    if cfg.draft_lv:
+        name = f"DRaFT-LV ({cfg.draft_lv} extra noised copies of the last step)"
+    checkpointed = cfg.backprop_checkpointing and hi > 1
+    return f"{name}: the last K steps with grad{' (network checkpointed)' if checkpointed else ''}, final image scored"
 
 
 def _preflight_only(cfg: ReFLConfig) -> None:

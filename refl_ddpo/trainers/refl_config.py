@@ -49,6 +49,24 @@ class ReFLConfig(CommonConfig):
     k_hi: int = field_(
         39, "Largest step index that may run with gradient; k is uniform in k_lo..k_hi inclusive."
     )
+    backprop_steps: str | None = field_(
+        None,
+        "Reward backprop beyond one step: K runs the whole sampler and keeps the gradient through its last K steps, "
+        "scoring the final image (DRaFT-K); random:LO-HI draws K uniformly in LO..HI per optimizer step "
+        "(AlignProp). Unset: ReFL (one step k in k_lo..k_hi, its predicted x0 scored); k_lo/k_hi are unused when set.",
+        group="reward backprop beyond one step (DRaFT, AlignProp)",
+    )
+    draft_lv: int = field_(
+        0,
+        "DRaFT-LV: N extra copies of the last step, each on the final latents re-noised to that step's level with "
+        "fresh noise and denoised with gradient; the loss averages the 1 + N rewards. Implies --backprop_steps 1.",
+    )
+    backprop_checkpointing: bool = field_(
+        True,
+        "With --backprop_steps K > 1: recompute each grad step's network activations in backward "
+        "(torch.utils.checkpoint around each network call), so memory grows by about one latent per extra step "
+        "instead of one network's activations.",
+    )
     scheduler: Literal["ddpm", "ddim"] = field_(
         "ddpm",
         "Sampler of the training rollout: ddpm (ImageReward's ReFL.py) or ddim (deterministic with eta 0).",
@@ -112,17 +130,38 @@ class ReFLConfig(CommonConfig):
 
         T = self.num_inference_steps
         self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
-        if self.k_lo < 0:
+        reflk = self.backprop_range() is None  # k_lo / k_hi are ReFL's: unused (and unchecked) under DRaFT
+        if reflk and self.k_lo < 0:
             raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
-        if self.k_lo > self.k_hi:
+        if reflk and self.k_lo > self.k_hi:
             raise UserError(
                 f"--k_lo {self.k_lo} > --k_hi {self.k_hi}: k is drawn from k_lo..k_hi; make k_lo <= k_hi."
             )
-        if self.k_hi >= T:
+        if reflk and self.k_hi >= T:
             raise UserError(
                 f"--k_hi {self.k_hi} must be < --num_inference_steps {T} (step indices are 0..{T - 1}); "
                 f"lower --k_hi or raise --num_inference_steps."
             )
+        if self.draft_lv < 0:
+            raise UserError(f"--draft_lv must be >= 0 (0 = off), got {self.draft_lv}.")
+        backprop = self.backprop_range()
+        if backprop is not None:
+            lo, hi = backprop
+            if hi > T:
+                raise UserError(
+                    f"--backprop_steps {self.backprop_steps}: K goes up to {hi} but the sampler has "
+                    f"--num_inference_steps {T} steps; lower K or raise --num_inference_steps."
+                )
+            if self.draft_lv and (lo, hi) != (1, 1):
+                raise UserError(
+                    f"--draft_lv {self.draft_lv} re-noises the last step only (DRaFT-LV is DRaFT-1): drop "
+                    f"--backprop_steps {self.backprop_steps} or set it to 1."
+                )
+            if self.kl_weight > 0:
+                raise UserError(
+                    "--kl_weight is ReFL's regulariser at its one grad step; with --backprop_steps / --draft_lv "
+                    "set it to 0."
+                )
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
         if self.guidance_scale < 1:
@@ -171,6 +210,21 @@ class ReFLConfig(CommonConfig):
             raise UserError(
                 "--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (or drop the flag)."
             )
+
+    def backprop_range(self) -> tuple[int, int] | None:
+        """(lo, hi) of the number of steps with gradient under DRaFT / AlignProp (K uniform in lo..hi; (1, 1) for
+        DRaFT-LV alone), or None for ReFL."""
+        from refl_ddpo.algorithms.reward_backprop import parse_backprop_steps
+
+        if self.backprop_steps is None:
+            return (1, 1) if self.draft_lv else None
+        try:
+            return parse_backprop_steps(self.backprop_steps)
+        except ValueError:
+            raise UserError(
+                f"--backprop_steps {self.backprop_steps!r}: expected K (DRaFT-K, e.g. 3) or random:LO-HI "
+                "(AlignProp, e.g. random:1-5) with 1 <= LO <= HI."
+            ) from None
 
 
 def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLConfig:
