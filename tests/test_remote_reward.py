@@ -275,3 +275,30 @@ def test_async_scoring_equals_sync(served, tiny_models, where):
         assert torch.equal(a.next_latents, b.next_latents) and torch.equal(a.log_probs, b.log_probs)
         assert torch.equal(a.rewards[0], b.rewards[0]), (a.rewards[0], b.rewards[0])
         assert a.rewards[1].keys() == b.rewards[1].keys()
+
+
+def test_inference_scores_with_a_remote_reward(served, tiny_models, tmp_path):
+    """`inference.py --rewards remote:URL,...`: one field per reward, the remote one equal to scoring in process."""
+    import numpy as np
+    from PIL import Image
+    from test_outputs import _cfg
+
+    from refl_ddpo import generate
+
+    spec, url = served
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\n")
+    out = tmp_path / "out"
+    names = [f"remote:{url}", "jpeg_compressibility"]
+    cfg = _cfg(tiny_models / "stable-diffusion", prompts, out, "--rewards", ",".join(names))
+    generate.run_inference(cfg)
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["rewards"] == names
+    local = build_reward(spec, "cpu", model_dir=str(tiny_models))
+    for r in scores["records"]:
+        with Image.open(out / r["file"]) as im:
+            x = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)[None].float() / 255
+        with torch.no_grad():
+            expected = float(local(x, [r["prompt"]], [{}])[0][0])
+        assert r[names[0]] == pytest.approx(expected, abs=1e-4)
+        assert isinstance(r["jpeg_compressibility"], float)
