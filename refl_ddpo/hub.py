@@ -30,10 +30,11 @@ def is_hub_id(name: str) -> bool:
 
 
 def _hub_failures() -> tuple[type[Exception], ...]:
-    """What a hub call raises when the hub says no or cannot be reached (HfHubHTTPError is an OSError)."""
-    import httpx
+    """What a hub call raises when the hub says no or cannot be reached: HfHubHTTPError (an OSError) and the HTTP
+    client's own errors (connection refused, timeouts), whose base huggingface_hub.errors imports as HTTPError."""
+    from huggingface_hub import errors
 
-    return (OSError, ValueError, httpx.HTTPError)
+    return (OSError, ValueError, getattr(errors, "HTTPError", OSError))
 
 
 def _hub_error(what: str, e: Exception) -> UserError:

@@ -170,7 +170,7 @@ class HubStandIn:
         import yaml
 
         content = json.loads(body)["content"]
-        m = re.match(r"^---\n(.*?)\n---", content, re.S)
+        m = re.match(r"^---\n(.*?)\n---", content, re.DOTALL)
         errors = []
         try:
             meta = yaml.safe_load(m.group(1)) if m else {}

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hub_standin import HubStandIn
 
 from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
@@ -21,8 +22,6 @@ from refl_ddpo.trainers.ddpo_config import DDPOConfig
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.refl_config import ReFLConfig
 from refl_ddpo.validation import VALIDATION_DIR, Validator, validation_files
-
-from hub_standin import HubStandIn
 
 REPO = Path(__file__).resolve().parent.parent
 RES = 32
@@ -37,16 +36,16 @@ def prompts_file(tmp_path) -> Path:
 
 
 def _validation_cfg(out: Path, prompts_file: Path, **kw) -> SimpleNamespace:
-    values = dict(
-        validation_prompts_file=str(prompts_file),
-        num_validation_images=2,
-        validation_num_steps=3,
-        validation_guidance_scale=7.5,
-        validation_batch_size=3,  # not a multiple of the images per prompt: the batches cut across prompts
-        resolution=RES,
-        seed=5,
-        output_dir=str(out),
-    )
+    values = {
+        "validation_prompts_file": str(prompts_file),
+        "num_validation_images": 2,
+        "validation_num_steps": 3,
+        "validation_guidance_scale": 7.5,
+        "validation_batch_size": 3,  # not a multiple of the images per prompt: the batches cut across prompts
+        "resolution": RES,
+        "seed": 5,
+        "output_dir": str(out),
+    }
     return SimpleNamespace(**{**values, **kw})
 
 
