@@ -262,7 +262,7 @@ class CommonConfig(ConfigBase):
         7.5, "Classifier-free guidance of the validation sampler (1 turns CFG off).", ge=0
     )
     validation_batch_size: int = field_(
-        4, "Validation images per network batch (memory only: the images do not depend on it)."
+        4, "Validation images per network batch: memory and speed (the images change only by float rounding)."
     )
     push_to_hub: bool = field_(
         False,

@@ -141,10 +141,10 @@ def test_validation_is_due_at_the_baseline_every_n_and_after_the_last():
 
 def test_flags_presets_and_the_token_never_saved():
     cfg = parse_config(ReFLConfig, ["--preset", "toy_world", "--report_to", "all"])
-    assert cfg.validation_prompts_file == "toy_world_heldout" and cfg.validation_steps == 40
+    assert cfg.validation_prompts_file == "toy_world_heldout" and cfg.validation_steps == 80
     for cls in (DDPOConfig, GRPOConfig):
         toy = parse_config(cls, ["--preset", "toy_world"])
-        assert toy.validation_prompts_file == "toy_world_heldout" and toy.validation_epochs == 4
+        assert toy.validation_prompts_file == "toy_world_heldout" and toy.validation_epochs == 8
         assert parse_config(cls, ["--validation_steps", "3"]).validation_epochs == 3, (
             "the alias sets the epochs"
         )
