@@ -128,6 +128,38 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
     assert not (tmp_path / VALIDATION_DIR / "step-2.png").exists()
 
 
+def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path, prompts_file):
+    from accelerate import Accelerator
+
+    from refl_ddpo.families import load_family
+    from refl_ddpo.lora import add_lora
+    from refl_ddpo.rewards import build_reward
+
+    family = load_family(str(tiny_models / "tiny-sd3"))
+    add_lora(family.network, 4, 4, list(family.lora_target_modules), init="random")
+    res = family.native_resolution
+    cfg = _validation_cfg(tmp_path, prompts_file, num_validation_images=1, resolution=res)
+    reward = build_reward("jpeg_compressibility", "cpu")
+    result = Validator(
+        Accelerator(cpu=True), family, reward, "jpeg_compressibility", cfg, every=0, unit="epoch", last=1
+    )(0, 0)
+    assert result.grid.name == "epoch-0.png" and set(result.metrics) == {
+        "validation/jpeg_compressibility/mean",
+        "validation/jpeg_compressibility/std",
+    }
+    family.pipe.set_progress_bar_config(disable=True)
+    stock = family.pipe(
+        PROMPTS,
+        num_inference_steps=3,
+        guidance_scale=7.5,
+        height=res,
+        width=res,
+        generator=[torch.Generator().manual_seed(r["seed"]) for r in result.records],
+        output_type="pt",
+    ).images
+    assert (stock - result.images).abs().max() < 1e-5
+
+
 def test_validation_is_due_at_the_baseline_every_n_and_after_the_last():
     v = Validator.__new__(Validator)
     v.every, v.last = 4, 10
