@@ -52,10 +52,20 @@ def _validation_cfg(out: Path, prompts_file: Path, **kw) -> SimpleNamespace:
 # ---- the validator ----
 
 
+def _accelerator():
+    """A CPU accelerator without mixed precision; accelerate's per-process state is reset first, since a test before
+    this one in the same worker may have made an accelerator with another mixed precision (whose autocast the
+    validator would then run under)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(cpu=True, mixed_precision="no")
+
+
 def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_rng_alone(
     tiny_sd, tmp_path, prompts_file
 ):
-    from accelerate import Accelerator
     from diffusers import DDIMScheduler
 
     from refl_ddpo.families import load_family
@@ -68,7 +78,7 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
     spec = "jpeg_compressibility:1.0,jpeg_incompressibility:0.5"
     reward = build_reward(spec, "cpu")
     cfg = _validation_cfg(tmp_path, prompts_file)
-    validator = Validator(Accelerator(cpu=True), family, reward, spec, cfg, every=2, unit="step", last=5)
+    validator = Validator(_accelerator(), family, reward, spec, cfg, every=2, unit="step", last=5)
 
     rng = torch.random.get_rng_state()
     first = validator(0, 0)
@@ -129,8 +139,6 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
 
 
 def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path, prompts_file):
-    from accelerate import Accelerator
-
     from refl_ddpo.families import load_family
     from refl_ddpo.lora import add_lora
     from refl_ddpo.rewards import build_reward
@@ -141,7 +149,7 @@ def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path,
     cfg = _validation_cfg(tmp_path, prompts_file, num_validation_images=1, resolution=res)
     reward = build_reward("jpeg_compressibility", "cpu")
     result = Validator(
-        Accelerator(cpu=True), family, reward, "jpeg_compressibility", cfg, every=0, unit="epoch", last=1
+        _accelerator(), family, reward, "jpeg_compressibility", cfg, every=0, unit="epoch", last=1
     )(0, 0)
     assert result.grid.name == "epoch-0.png" and set(result.metrics) == {
         "validation/jpeg_compressibility/mean",
