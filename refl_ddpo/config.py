@@ -55,14 +55,21 @@ class ConfigBase:
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}  # --preset NAME -> field values (a defaults layer)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a dict, secrets (a field with `secret=True`, e.g. --hub_token) as None: this is what
+        config.json, the trackers and the printed config get."""
+        out = dataclasses.asdict(self)
+        for f in fields(self):
+            if f.metadata.get("secret"):
+                out[f.name] = None
+        return out
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def pretty(self) -> str:
         width = max(len(f.name) for f in fields(self))
-        return "\n".join(f"  {f.name:<{width}} = {getattr(self, f.name)!r}" for f in fields(self))
+        shown = self.to_dict()
+        return "\n".join(f"  {f.name:<{width}} = {shown[f.name]!r}" for f in fields(self))
 
     def check_positive(self, *names: str) -> None:
         """A one-line UserError naming the first of these fields that is not > 0 (NaN is not)."""
@@ -162,7 +169,8 @@ class CommonConfig(ConfigBase):
     )
     overwrite_output_dir: bool = field_(
         False,
-        "Replace the run in --output_dir: delete its checkpoints, final weights, run.json, logs and debug/ first.",
+        "Replace the run in --output_dir: delete its checkpoints, final weights, run.json, logs, debug/, "
+        "validation/ and model card first.",
     )
     prompts_file: str | None = field_(
         None, "Prompts: one per line, or a JSON list of strings / {'text'|'prompt': ...} objects."
@@ -216,7 +224,11 @@ class CommonConfig(ConfigBase):
         group="state and logging",
     )
     checkpoints_total_limit: int | None = field_(None, "Keep at most this many checkpoint-N folders.")
-    resume_from_checkpoint: str | None = field_(None, "'latest' or a checkpoint-N path to resume from.")
+    resume_from_checkpoint: str | None = field_(
+        None,
+        "'latest', a checkpoint-N path, or the hub id 'user/repo' of a run pushed with --push_to_hub (its newest "
+        "checkpoint) to resume from.",
+    )
     device: str | None = field_(
         None,
         "cpu or cuda (each process on its own GPU; refused without one); default: what accelerate picks.",
@@ -225,7 +237,53 @@ class CommonConfig(ConfigBase):
         "logs",
         "TensorBoard folder, relative to output_dir; each start of a trainer logs to a new run-N/ in it.",
     )
-    report_to: Literal["tensorboard", "none"] = field_("tensorboard", "Where scalars and images are logged.")
+    report_to: Literal["tensorboard", "wandb", "all", "none"] = field_(
+        "tensorboard",
+        "Where scalars and images are logged, through accelerate's trackers: tensorboard (output_dir/logs), wandb "
+        "(its run files in output_dir/logs/wandb; WANDB_MODE=offline needs no network nor account), all (both) or "
+        "none.",
+    )
+    validation_prompts_file: str | None = field_(
+        None,
+        "Held-out prompts to validate on during training (a file, or a shipped list such as toy_world_heldout): "
+        "before the first step, every --validation_steps, and after the last, the same seeds through the "
+        "deterministic sampler, scored by the training reward(s), logged as validation/<reward>/mean and a "
+        "captioned grid (also saved to output_dir/validation/). None = no validation.",
+        group="validation",
+    )
+    num_validation_images: int = field_(
+        2,
+        "Images per validation prompt; image j of prompt i is seeded --seed + i x this + j, as inference.py seeds "
+        "them, so only the weights change the validation images.",
+    )
+    validation_num_steps: int = field_(
+        40,
+        "Steps of the validation sampler, the long deterministic one: DDIM with eta 0 (SD 1.x/2.x) or the flow "
+        "ODE (SD3), as inference.py runs them.",
+    )
+    validation_guidance_scale: float = field_(
+        7.5, "Classifier-free guidance of the validation sampler (1 turns CFG off).", ge=0
+    )
+    validation_batch_size: int = field_(
+        4, "Validation images per network batch: memory and speed (the images change only by float rounding)."
+    )
+    push_to_hub: bool = field_(
+        False,
+        "At the end, upload the final weights, config.json, the model card README.md, the last validation grid "
+        "and the newest checkpoint-N (so that --resume_from_checkpoint REPO_ID continues it) to the hub repo "
+        "--hub_model_id (huggingface_hub; HF_ENDPOINT picks another server).",
+        group="hub",
+    )
+    hub_model_id: str | None = field_(
+        None,
+        "Hub repo for --push_to_hub: 'user/name' or 'name' (under the token's user); default: the name of "
+        "--output_dir.",
+    )
+    hub_token: str | None = field_(
+        None,
+        "Hub token for --push_to_hub; default: HF_TOKEN or the one `hf auth login` saved. Never saved nor logged.",
+        secret=True,
+    )
 
     def check(self) -> None:
         super().check()
@@ -245,10 +303,28 @@ class CommonConfig(ConfigBase):
         if self.lora_target_modules is not None and not self.lora_target_modules:
             raise UserError("--lora_target_modules is empty: name at least one module (e.g. to_q to_k).")
         check_train_device(self.device)
+        self.check_positive("num_validation_images", "validation_num_steps", "validation_batch_size")
+        check_trackers(self.report_to)
+        if self.hub_model_id is not None and not self.push_to_hub:
+            raise UserError("--hub_model_id names the repo of --push_to_hub: add --push_to_hub (or drop it).")
 
     @property
     def resolved_lora_alpha(self) -> float:
         return float(self.lora_rank if self.lora_alpha is None else self.lora_alpha)
+
+
+TRACKERS = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"], "none": []}
+
+
+def check_trackers(report_to: str) -> None:
+    """--report_to's trackers are installed (before anything is loaded)."""
+    import importlib.util
+
+    for name in TRACKERS[report_to]:
+        if importlib.util.find_spec(name) is None:
+            raise UserError(
+                f"--report_to {report_to} needs {name}: pip install -r requirements.txt (or --report_to none)."
+            )
 
 
 def check_train_device(device: str | None) -> None:

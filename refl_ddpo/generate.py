@@ -180,7 +180,8 @@ class LoraInferenceConfig(InferenceConfig):
     lora_dir: str = field_(
         "checkpoint/refl_lora",
         "Trained LoRA folder (pytorch_lora_weights.safetensors, diffusers format; or unet/ of a full fine-tune), "
-        "e.g. checkpoint/refl_lora or checkpoint/ddpo_lora.",
+        "e.g. checkpoint/refl_lora or checkpoint/ddpo_lora, or the hub id 'user/repo' a trainer pushed it to "
+        "(--push_to_hub).",
     )
     lora_scale: float = field_(
         1.0, "Multiplier of the LoRA update: 0 gives the base model, 1 the trained one."
@@ -190,6 +191,15 @@ class LoraInferenceConfig(InferenceConfig):
         """Check lora_dir, fill pretrained_model / resolution from its config.json, then the common checks."""
         self.check_numbers()
         lora_dir = Path(self.lora_dir).expanduser()
+        if not lora_dir.exists():
+            from refl_ddpo.hub import download, is_hub_id
+
+            if is_hub_id(
+                self.lora_dir
+            ):  # pushed with --push_to_hub: the weights, config and card, no checkpoints
+                patterns = [LORA_WEIGHTS_NAME, f"{FULL_UNET_DIR}/*", CONFIG_NAME, "README.md"]
+                lora_dir = download(self.lora_dir, "--lora_dir", allow_patterns=patterns)
+                self.lora_dir = str(lora_dir)
         if not lora_dir.is_dir():
             raise UserError(
                 f"--lora_dir {self.lora_dir} does not exist: train first (train_scripts/) or point it at "
@@ -356,8 +366,10 @@ def generate_batch(
     num_inference_steps: int,
     guidance_scale: float,
     eta: float = 0.0,
+    scheduler=None,
 ) -> torch.Tensor:
     """Images (B, 3, H, W) float32 in [0, 1] on the model's device; image b from a CPU generator seeded seeds[b].
+    `scheduler`: the sampler to run (default: `family.pipe.scheduler`); its timesteps are set here.
 
     Runs in inference mode: no autograd graph is kept (the pipeline's memory for one no-grad forward), even if
     LoRA parameters require grad.
@@ -372,7 +384,7 @@ def generate_batch(
     noise = family.initial_noise(len(prompts), resolution, generators, dtype)  # as the pipeline draws it
     out = denoise(
         family,
-        family.pipe.scheduler,
+        family.pipe.scheduler if scheduler is None else scheduler,
         cond,
         uncond,
         noise,

@@ -201,9 +201,12 @@ def rotate_checkpoints(output_dir: str | Path, run_id: str, keep: int) -> None:
 # ---- resume: find, check, compare with this run's config ----
 
 
-def find_resume(spec: str | None, output_dir: str | Path) -> tuple[Path | None, dict | None]:
+def find_resume(
+    spec: str | None, output_dir: str | Path, token: str | None = None
+) -> tuple[Path | None, dict | None]:
     """'latest' -> the newest complete checkpoint-N of output_dir (None if there is none); a path must be a
-    complete checkpoint. Returns (path, its checkpoint.json)."""
+    complete checkpoint; a hub id 'user/repo' (refl_ddpo.hub) -> the newest complete checkpoint-N that --push_to_hub
+    uploaded there (downloaded, with `token`). Returns (path, its checkpoint.json)."""
     if not spec:
         return None, None
     if spec == "latest":
@@ -216,9 +219,14 @@ def find_resume(spec: str | None, output_dir: str | Path) -> tuple[Path | None, 
         return None, None
     path = Path(spec)
     if not path.is_dir():
-        raise UserError(
-            f"--resume_from_checkpoint {spec}: no such folder; give 'latest' or a checkpoint-N folder."
-        )
+        from refl_ddpo.hub import hub_checkpoint, is_hub_id
+
+        if not is_hub_id(spec):
+            raise UserError(
+                f"--resume_from_checkpoint {spec}: no such folder; give 'latest', a checkpoint-N folder or the hub "
+                "repo id of a pushed run."
+            )
+        path = hub_checkpoint(spec, token)
     record, why = read_marker(path)
     if record is None:
         raise UserError(
@@ -350,13 +358,20 @@ def _check_claim(cfg, output_dir: Path, resume: Path | None, record: dict | None
 
 
 def clear_run(cfg, output_dir: Path) -> list[str]:
-    """Delete the old run's files from output_dir (checkpoints, final weights, run.json, logs, debug/)."""
+    """Delete the old run's files from output_dir (checkpoints, final weights, run.json, logs, debug/, validation/
+    and the model card)."""
     names = run_files(output_dir)
     logs = output_dir / cfg.logging_dir
     if logs.exists() and _is_inside(logs, output_dir) and logs.resolve() != output_dir.resolve():
         names.append(cfg.logging_dir)
-    if (output_dir / "debug").is_dir():
-        names.append("debug")
+    from refl_ddpo.model_card import CARD_NAME, is_our_card
+    from refl_ddpo.validation import VALIDATION_DIR
+
+    for extra in ("debug", VALIDATION_DIR):
+        if (output_dir / extra).is_dir():
+            names.append(extra)
+    if (output_dir / CARD_NAME).is_file() and is_our_card(output_dir / CARD_NAME):  # a user's own stays
+        names.append(CARD_NAME)
     for name in names:
         path = output_dir / name
         if path.is_dir() and not path.is_symlink():
@@ -378,7 +393,7 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
 
     output_dir = check_output_dir(cfg.output_dir)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by launch.sh / accelerate for every process
-    resume, record = find_resume(cfg.resume_from_checkpoint, output_dir)
+    resume, record = find_resume(cfg.resume_from_checkpoint, output_dir, getattr(cfg, "hub_token", None))
     if resume is not None:
         check_resume_fits(resume, record, cfg, trainer, steps_field, num_processes)
         if _is_main_rank():  # reads every file: once is enough

@@ -114,10 +114,11 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
+    from refl_ddpo.config import TRACKERS
     from refl_ddpo.threads import set_cpu_threads
 
     set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
-    log_with = None if cfg.report_to == "none" else cfg.report_to
+    log_with = TRACKERS[cfg.report_to] or None
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -197,16 +198,28 @@ def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
     """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only); returns the
     log run's name.
 
-    Each start is a new log run, `output_dir/logging_dir/run-N/` (TensorBoard writes `run-N/<project>/`; a tracker
-    with run names gets `<project>-run-N`), so a resumed or repeated run into the same folder never draws over the
-    curves of the one before."""
+    Each start is a new log run, `output_dir/logging_dir/run-N/` (TensorBoard writes `run-N/<project>/`; wandb keeps
+    its run files in `output_dir/logging_dir/wandb/` and names the run `<project>-run-N`), so a resumed or repeated
+    run into the same folder never draws over the curves of the one before."""
+    from refl_ddpo.config import TRACKERS
+
     if cfg.report_to == "none":
         return None
-    hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()}
-    run = next_log_run(Path(cfg.output_dir) / cfg.logging_dir) if accelerator.is_main_process else None
+    hparams = {  # to_dict leaves secrets (--hub_token) out
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()
+    }
+    logs = Path(cfg.output_dir) / cfg.logging_dir
+    run = next_log_run(logs) if accelerator.is_main_process else None
+    init_kwargs = {}
     if run is not None:
-        accelerator.project_configuration.logging_dir = os.path.join(cfg.output_dir, cfg.logging_dir, run)
-    accelerator.init_trackers(project, config=hparams, init_kwargs={"wandb": {"name": f"{project}-{run}"}})
+        accelerator.project_configuration.logging_dir = str(logs / run)
+        if "wandb" in TRACKERS[cfg.report_to]:
+            logs.mkdir(parents=True, exist_ok=True)
+            init_kwargs["wandb"] = {
+                "dir": str(logs),
+                "name": f"{project}-{run}",
+            }  # its run files beside tensorboard's
+    accelerator.init_trackers(project, config=hparams, init_kwargs=init_kwargs)
     return run
 
 
@@ -351,33 +364,71 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     return counters, tensors
 
 
-def save_final(accelerator, network, cfg: CommonConfig) -> None:
-    """The final LoRA (diffusers format) and the resolved config at the top of output_dir. A local base model is
+def save_final(
+    accelerator,
+    network,
+    cfg: CommonConfig,
+    family,
+    trainer: str,
+    progress: dict[str, int],
+    repo_id: str | None = None,
+) -> None:
+    """The final LoRA (diffusers format), the resolved config and the model card README.md (refl_ddpo.model_card)
+    at the top of output_dir; then, with --push_to_hub, the upload to `repo_id` (main process). A local base model is
     recorded by its absolute path, so that inference_lora.py finds it from any working directory."""
     accelerator.wait_for_everyone()
     check_finite_weights(
         accelerator.unwrap_model(network), f"not saving the final weights to {cfg.output_dir}"
     )
     if accelerator.is_main_process:
+        from refl_ddpo.model_card import CARD_NAME, model_card
+
         config = cfg.to_dict()
         if os.path.exists(cfg.pretrained_model):
             config["pretrained_model"] = os.path.abspath(cfg.pretrained_model)
         save_lora(accelerator.unwrap_model(network), cfg.output_dir, config=config)
-        print(f"saved final weights and config.json to {cfg.output_dir}", flush=True)
+        card = model_card(
+            cfg.output_dir,
+            cfg,
+            trainer,
+            family.name,
+            type(family.network).__name__,
+            family.network_name,
+            progress,
+            repo_id,
+        )
+        card.save(Path(cfg.output_dir) / CARD_NAME)
+        print(f"saved final weights, config.json and {CARD_NAME} to {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()
+    if cfg.push_to_hub and accelerator.is_main_process:  # after the barrier: the others may finish meanwhile
+        from refl_ddpo.hub import push_run
+
+        done = ", ".join(f"{v} {k}" for k, v in progress.items())
+        url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}")
+        print(f"pushed to the hub repo {repo_id}: {url}", flush=True)
 
 
 # ---- logging ----
 
 
 def log_image_grid(accelerator, tag: str, images: torch.Tensor, captions: list[str], step: int) -> None:
-    """A captioned grid of images (B, 3, H, W) in [0, 1] to tensorboard (main process only)."""
+    """A captioned grid of images (B, 3, H, W) in [0, 1] to every tracker (main process only)."""
     if not accelerator.is_main_process or accelerator.trackers == []:
         return
-    grid = caption_grid(images, captions)
+    log_grid(accelerator, tag, caption_grid(images, captions), step)
+
+
+def log_grid(accelerator, tag: str, grid: torch.Tensor, step: int) -> None:
+    """An image (3, H, W) uint8 to every tracker (main process only): tensorboard's add_image, wandb.Image."""
+    if not accelerator.is_main_process:
+        return
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
             tracker.writer.add_image(tag, grid, step)
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.run.log({tag: wandb.Image(grid.permute(1, 2, 0).numpy())}, step=step)
 
 
 def print_config(cfg: CommonConfig, extra: dict | None = None) -> None:

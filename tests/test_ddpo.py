@@ -537,12 +537,24 @@ def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedPro
 
 
 EPOCHS = 3
+# the toy world's 6 held-out prompts, one image each, 3 deterministic steps: before epoch 1, after epochs 2 and 3
+VALIDATION = (
+    "--validation_prompts_file",
+    "toy_world_heldout",
+    "--validation_steps",
+    "2",
+    "--num_validation_images",
+    "1",
+    "--validation_num_steps",
+    "3",
+)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_models, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("ddpo") / "run"
-    r = _script(_flags(tiny_models, out, EPOCHS), cwd=REPO / "train_scripts")
+    # validation on here and off in the resumed run below: the LoRAs must still be bit-identical
+    r = _script(_flags(tiny_models, out, EPOCHS, *VALIDATION), cwd=REPO / "train_scripts")
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r
 
@@ -611,6 +623,31 @@ def test_script_trains_logs_and_saves_a_lora_that_loads_in_a_stock_pipeline(trai
     pipe.load_lora_weights(str(out))  # a stock pipeline, stock loader
     after, _ = _held_out(pipe)
     assert (after - before).abs().max().item() > 1e-3, "the trained LoRA changes the samples"
+
+
+def test_script_validates_by_epoch_and_writes_the_model_card(trained):
+    from huggingface_hub import ModelCard
+
+    from refl_ddpo.validation import validation_files
+
+    out, r = trained
+    records = validation_files(out)
+    assert [x["count"] for x in records] == [0, 2, EPOCHS] and all(x["unit"] == "epoch" for x in records)
+    assert len(records[0]["records"]) == 6 and records[0]["sampler"]["num_inference_steps"] == 3
+    assert r.stdout.count("validation after epoch") == 3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for f in (out / "logs").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if "validation/jpeg_compressibility/mean" in acc.Tags()["scalars"]:
+            steps += [e.step for e in acc.Scalars("validation/jpeg_compressibility/mean")]
+    assert steps == [0, 4, 6], "logged at the optimizer step count: 2 per epoch"
+    card = ModelCard.load(out / "README.md")
+    assert {"refl_ddpo", "ddpo", "lora"} <= set(card.data.tags)
+    for line in ("| epochs | 3 |", "| optimizer steps | 6 |", "| sample_num_steps | `4` |", "| 3 | "):
+        assert line in card.text, line
 
 
 LEARN_EPOCHS = 12

@@ -390,6 +390,15 @@ def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_mo
         "cpu",
         "--report_to",
         "none",
+        # validated on the main process alone, the other one waits at the next collective
+        "--validation_prompts_file",
+        "toy_world_heldout",
+        "--validation_epochs",
+        "1",
+        "--num_validation_images",
+        "1",
+        "--validation_num_steps",
+        "2",
     ]
     r = subprocess.run(
         ["bash", str(SCRIPT), *flags],
@@ -405,3 +414,8 @@ def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_mo
     assert r.stdout.count("12 rewards from 2 process(es)") == 2 and "grpo/zero_std_groups" in r.stdout
     assert (out / LORA_WEIGHTS_NAME).is_file() and (out / "checkpoint-2").is_dir()
     assert "weights identical on all 2 process(es)" in r.stdout
+    assert r.stdout.count("validation after epoch") == 3, "once per validation: by the main process"
+    assert sorted(p.name for p in (out / "validation").glob("*.json")) == [
+        f"epoch-{n}.json" for n in range(3)
+    ]
+    assert (out / "README.md").is_file()

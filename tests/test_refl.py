@@ -299,9 +299,19 @@ def test_two_processes_hold_identical_lora_after_every_step(tiny_models, tmp_pat
         str(steps),
         "--report_to",
         "none",
+        # validated by the main process alone under DDP; the other one waits in the next all-reduce
+        "--validation_prompts_file",
+        str(DATA_DIR / "toy_world_heldout.txt"),
+        "--validation_steps",
+        "2",
+        "--num_validation_images",
+        "1",
+        "--validation_num_steps",
+        "2",
     ]
     r = _script(flags, NUM_PROCESSES="2")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("validation after step") == 3  # steps 0, 2, 3
     ranks = [
         [
             json.loads(line)
@@ -348,7 +358,19 @@ def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
         )
         assert r.returncode == 0, r.stderr[-3000:]
 
-    run(tmp_path / "a")
+    # validation (of the EMA weights) after every step in run a only: it must leave the training bit-exact
+    run(
+        tmp_path / "a",
+        "--validation_prompts_file",
+        str(DATA_DIR / "toy_world_heldout.txt"),
+        "--validation_steps",
+        "1",
+        "--num_validation_images",
+        "1",
+        "--validation_num_steps",
+        "2",
+    )
+    assert len(list((tmp_path / "a" / "validation").glob("step-*.json"))) == 3
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "checkpoint-1", tmp_path / "b" / "checkpoint-1")
     run(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "b" / "checkpoint-1"))

@@ -232,12 +232,16 @@ def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.T
 
 def preflight(cfg: DDPOConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
+    from refl_ddpo.hub import check_push
     from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
+    from refl_ddpo.validation import check_validation_prompts
 
     check_pretrained_model(cfg.pretrained_model)
     check_reward_files(cfg.reward, cfg.reward_model_dir)
+    check_validation_prompts(cfg)
+    check_push(cfg)
     resolve_lora_targets(cfg)  # before start_run, which records them
     return start_run(cfg, cfg.ALGORITHM, "num_epochs")  # output_dir free or continued; the checkpoint fits
 
@@ -304,6 +308,11 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     grouped = isinstance(cfg, GRPOConfig)
     accelerator = make_accelerator(cfg, cfg.train_gradient_accumulation_steps * num_train_timesteps(cfg))
     main, rank = accelerator.is_main_process, accelerator.process_index
+    repo_id = None
+    if cfg.push_to_hub and main:
+        from refl_ddpo.hub import create_hub_repo
+
+        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
 
     # ---- models ----
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
@@ -349,6 +358,26 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         accelerator.print(
             f"resumed from {resume}: {first_epoch} epoch(s) done, {global_step} optimizer step(s)"
         )
+
+    validator = None
+    if cfg.validation_prompts_file:
+        from refl_ddpo.validation import Validator
+
+        validator = Validator(
+            accelerator,
+            family,
+            reward,
+            cfg.reward,
+            cfg,
+            every=cfg.validation_epochs,
+            unit="epoch",
+            last=cfg.num_epochs,
+        )
+        validator.forget_after(
+            first_epoch
+        )  # records of a run that went further and was not resumed from there
+        if first_epoch == 0:
+            validator(0, global_step)  # the baseline: the base model (LoRA starts at zero)
 
     executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
     train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
@@ -504,8 +533,10 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                     global_step += 1
             bar.close()
 
-            # ---- state ----
+            # ---- validation, state ----
             done = epoch + 1
+            if validator is not None and validator.due(done):
+                validator(done, global_step)
             if done % cfg.save_freq == 0 or done == cfg.num_epochs:
                 counters = {
                     "epoch": done,
@@ -517,7 +548,15 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
 
-    save_final(accelerator, network, cfg)
+    save_final(
+        accelerator,
+        network,
+        cfg,
+        family,
+        name,
+        {"epochs": cfg.num_epochs, "optimizer steps": global_step},
+        repo_id,
+    )
     check_identical_weights(accelerator, params)
     accelerator.end_training()
     return Path(cfg.output_dir)

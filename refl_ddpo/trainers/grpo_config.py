@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from refl_ddpo.config import field_
 from refl_ddpo.errors import UserError
-from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, TOY_WORLD_DIR, DDPOConfig
+from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, TOY_VALIDATION, TOY_WORLD_DIR, DDPOConfig
 
 
 @dataclass
@@ -137,6 +137,7 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
         "num_epochs": 16,
         "save_freq": 8,
         "checkpoints_total_limit": 1,
+        **TOY_VALIDATION,
     },
     # Flow-GRPO on SD3.5-M (yifan123/flow_grpo config/grpo.py): 10 SDE steps at noise level 0.7 with CFG 4.5 for
     # training (their evaluation samples 40 deterministic steps), lr 3e-4, clip 1e-4, beta 0.04, global std, groups
@@ -175,6 +176,8 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
         "mixed_precision": "bf16",
         "num_epochs": 1000,
         "save_freq": 20,
+        "validation_guidance_scale": 4.5,  # Flow-GRPO evaluates with 40 deterministic steps at CFG 4.5
+        "validation_num_steps": 40,
     },
 }
 

@@ -247,16 +247,20 @@ def pretrain_loss(
 
 def preflight(cfg: ReFLConfig):
     """Everything checkable before a model is loaded: (cfg, prompts, pretrain data, resume path, world size)."""
+    from refl_ddpo.hub import check_push
     from refl_ddpo.image_captions import PretrainData
     from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
     from refl_ddpo.prompts import resolve_prompts
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
+    from refl_ddpo.validation import check_validation_prompts
 
     check_pretrained_model(cfg.pretrained_model)
     resolve_lora_targets(cfg)  # before start_run, which records them
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     prompts = resolve_prompts(cfg.prompts_file)
+    check_validation_prompts(cfg)
+    check_push(cfg)
     pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
     world_size = int(
         os.environ.get("WORLD_SIZE", "1")
@@ -294,6 +298,11 @@ def train(cfg: ReFLConfig) -> None:
             "start the trainer with train_scripts/train_refl_lora.sh or accelerate launch."
         )
     rank, device = accelerator.process_index, accelerator.device
+    repo_id = None
+    if cfg.push_to_hub and accelerator.is_main_process:
+        from refl_ddpo.hub import create_hub_repo
+
+        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
     set_seed(cfg.seed)  # the same LoRA init on every process (DDP also broadcasts rank 0's weights)
 
     # ---- models ----
@@ -370,6 +379,52 @@ def train(cfg: ReFLConfig) -> None:
         checksum_file.parent.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             checksum_file.write_text("")
+    validator = None
+    if cfg.validation_prompts_file:
+        from refl_ddpo.validation import Validator
+
+        validator = Validator(
+            accelerator,
+            family,
+            reward,
+            cfg.reward,
+            cfg,
+            every=cfg.validation_steps,
+            unit="step",
+            last=cfg.max_train_steps,
+        )
+        validator.forget_after(
+            start_step
+        )  # records of a run that went further and was not resumed from there
+
+    def validate(count: int) -> None:
+        """Validation of the current weights (the EMA's in an EMA run: they are the result)."""
+        if ema is not None:
+            ema.store(params)
+            ema.copy_to(params)
+        validator(count, count)
+        if ema is not None:
+            ema.restore(params)
+
+    def checkpoint(global_step: int) -> None:
+        states = accelerator.gather(generator.get_state().to(device)[None]).cpu()  # [processes, state bytes]
+        tensors = {"k_generator": k_generator.get_state()}
+        tensors.update({f"generator/rank{r}": states[r] for r in range(accelerator.num_processes)})
+        counters = {
+            "step": global_step,
+            "num_processes": accelerator.num_processes,
+            "lr_scheduler": lr_scheduler.state_dict(),
+        }
+        if ema is not None:
+            ema_state = ema.state_dict()
+            tensors.update({f"ema/{i}": p for i, p in enumerate(ema_state.pop("shadow_params"))})
+            counters["ema"] = ema_state
+        path = save_checkpoint(accelerator, cfg, global_step, counters, tensors)
+        if accelerator.is_local_main_process:
+            progress.write(f"saved {path}")
+
+    if validator is not None and start_step == 0:
+        validate(0)  # the baseline: the base model (LoRA starts at zero)
     progress = progress_bar(
         total=cfg.max_train_steps,
         initial=start_step,
@@ -490,31 +545,20 @@ def train(cfg: ReFLConfig) -> None:
             with checksum_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
-        # ---- checkpoint ----
-        if cfg.checkpointing_steps and global_step % cfg.checkpointing_steps == 0:
-            states = accelerator.gather(
-                generator.get_state().to(device)[None]
-            ).cpu()  # [processes, state bytes]
-            tensors = {"k_generator": k_generator.get_state()}
-            tensors.update({f"generator/rank{r}": states[r] for r in range(accelerator.num_processes)})
-            counters = {
-                "step": global_step,
-                "num_processes": accelerator.num_processes,
-                "lr_scheduler": lr_scheduler.state_dict(),
-            }
-            if ema is not None:
-                ema_state = ema.state_dict()
-                tensors.update({f"ema/{i}": p for i, p in enumerate(ema_state.pop("shadow_params"))})
-                counters["ema"] = ema_state
-            path = save_checkpoint(accelerator, cfg, global_step, counters, tensors)
-            if accelerator.is_local_main_process:
-                progress.write(f"saved {path}")
+        # ---- validation, checkpoint ----
+        if validator is not None and validator.due(global_step):
+            validate(global_step)
+        saved = cfg.checkpointing_steps and global_step % cfg.checkpointing_steps == 0
+        if saved or (
+            cfg.push_to_hub and global_step == cfg.max_train_steps
+        ):  # the hub repo gets the last state
+            checkpoint(global_step)
     progress.close()
 
     # ---- final weights: always, at the top of output_dir ----
     if ema is not None:
         ema.copy_to(params)  # the averaged weights are the result of an EMA run
-    save_final(accelerator, network, cfg)
+    save_final(accelerator, network, cfg, family, "refl", {"optimizer steps": cfg.max_train_steps}, repo_id)
     accelerator.end_training()
 
 

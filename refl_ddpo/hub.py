@@ -1,0 +1,154 @@
+"""The hub, through huggingface_hub: push a finished run (`create_repo` + `upload_folder`) and fetch a pushed one back
+by its id (`snapshot_download`) for `inference_lora.py --lora_dir user/repo` and `--resume_from_checkpoint user/repo`.
+
+A pushed repo holds what a user of the weights needs and what a resumed run needs, nothing else of the output folder:
+
+    pytorch_lora_weights.safetensors (or unet/)   the final weights
+    config.json, README.md                        the resolved training config, the model card
+    validation/{step|epoch}-N.png                 the last validation grid (the card shows it)
+    checkpoint-N/                                 the newest complete checkpoint, so that the run can be continued
+
+HF_ENDPOINT points huggingface_hub at another server (the tests run a local stand-in of the hub's HTTP API).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from refl_ddpo.errors import UserError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_hub_id(name: str) -> bool:
+    """'user/repo' that is not a local path: not on disk, and its first part is no local folder (so a default such
+    as checkpoint/refl_lora that was not trained yet stays a missing folder, not a hub lookup)."""
+    from refl_ddpo.models import looks_local
+
+    return bool(HUB_ID.fullmatch(name)) and not looks_local(name) and not Path(name.split("/")[0]).is_dir()
+
+
+def _hub_failures() -> tuple[type[Exception], ...]:
+    """What a hub call raises when the hub says no or cannot be reached: HfHubHTTPError (an OSError) and the HTTP
+    client's own errors (connection refused, timeouts), whose base huggingface_hub.errors imports as HTTPError."""
+    from huggingface_hub import errors
+
+    return (OSError, ValueError, getattr(errors, "HTTPError", OSError))
+
+
+def _hub_error(what: str, e: Exception) -> UserError:
+    first = " ".join(str(e).split())[:300] or type(e).__name__
+    return UserError(f"{what} ({type(e).__name__}: {first})")
+
+
+def repo_name(cfg) -> str:
+    """--hub_model_id, default: the name of --output_dir."""
+    return cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+
+
+def check_push(cfg) -> None:
+    """Before anything loads (no network): --push_to_hub has a valid repo name, a token, and the hub is not off."""
+    if not cfg.push_to_hub:
+        return
+    from huggingface_hub import constants, get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    name = repo_name(cfg)
+    try:
+        validate_repo_id(name)
+    except HFValidationError as e:
+        raise UserError(
+            f"--hub_model_id {name} is not a valid hub repo id ({str(e).splitlines()[0]})"
+        ) from None
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(
+            "--push_to_hub needs the hub, but HF_HUB_OFFLINE is set: unset it (or drop --push_to_hub)."
+        )
+    if not (cfg.hub_token or get_token()):
+        raise UserError(
+            "--push_to_hub needs a hub token: pass --hub_token, set HF_TOKEN, or run `hf auth login` first."
+        )
+
+
+def create_hub_repo(cfg) -> str:
+    """Create the repo of --push_to_hub (or find it), before training, so that a wrong token fails at once; returns
+    its full id 'user/name'."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi(token=cfg.hub_token).create_repo(repo_name(cfg), exist_ok=True).repo_id
+    except _hub_failures() as e:  # network, auth, permission: one line with the hub's reason
+        raise _hub_error(f"--push_to_hub: could not create the hub repo {repo_name(cfg)}", e) from None
+
+
+def push_patterns(out_dir: Path, run_id: str | None = None) -> list[str]:
+    """What of a finished output folder goes to the hub (see the module doc); the checkpoint of run `run_id`."""
+    from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
+    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.runs import list_checkpoints
+    from refl_ddpo.validation import VALIDATION_DIR, validation_files
+
+    patterns = [LORA_WEIGHTS_NAME, f"{FULL_UNET_DIR}/*", CONFIG_NAME, CARD_NAME]
+    records = validation_files(out_dir)
+    if records:
+        patterns.append(f"{VALIDATION_DIR}/{records[-1]['grid']}")
+    complete = list_checkpoints(out_dir, run_id)
+    if complete:
+        patterns.append(f"{complete[-1].name}/*")
+    return patterns
+
+
+def push_run(cfg, repo_id: str, out_dir: str | Path, message: str) -> str:
+    """Upload the finished run in `out_dir` to `repo_id` (one commit); returns the commit's URL."""
+    from huggingface_hub import HfApi
+
+    from refl_ddpo.runs import run_info
+
+    try:
+        info = HfApi(token=cfg.hub_token).upload_folder(
+            repo_id=repo_id,
+            folder_path=str(out_dir),
+            allow_patterns=push_patterns(Path(out_dir), run_info(cfg).run_id),
+            commit_message=message,
+        )
+    except (
+        _hub_failures()
+    ) as e:  # network, auth, quota: one line; the local output folder is complete regardless
+        raise _hub_error(
+            f"--push_to_hub: uploading {out_dir} to {repo_id} failed, the local folder is complete; upload it "
+            "later with `hf upload`",
+            e,
+        ) from None
+    return str(getattr(info, "commit_url", info))
+
+
+def download(
+    repo_id: str, flag: str, token: str | None = None, allow_patterns: list[str] | None = None
+) -> Path:
+    """A local copy of the hub repo `repo_id` (huggingface_hub's cache), or one line naming `flag` and the reason."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns, token=token))
+    except _hub_failures() as e:  # not found, offline, auth: one line
+        raise _hub_error(
+            f"{flag} {repo_id}: not a local folder, and the hub repo of that id could not be fetched", e
+        ) from None
+
+
+def hub_checkpoint(repo_id: str, token: str | None = None) -> Path:
+    """--resume_from_checkpoint user/repo: the newest complete checkpoint-N of a pushed run (downloaded)."""
+    from refl_ddpo.runs import MARKER, list_checkpoints
+
+    local = download(repo_id, "--resume_from_checkpoint", token)
+    if (local / MARKER).is_file():  # the repo is one checkpoint folder
+        return local
+    complete = list_checkpoints(local)
+    if not complete:
+        raise UserError(
+            f"--resume_from_checkpoint {repo_id}: the hub repo holds no complete checkpoint-N (push a run with "
+            "--push_to_hub, which uploads its newest one)."
+        )
+    return complete[-1]
