@@ -31,4 +31,6 @@ def test_draft3_raises_held_out_colour_accuracy(tmp_path):
     assert after - base >= DRAFT3_MARGIN, (base, after)
 
 
-DRAFT3_MARGIN = 0.06  # measured gains (seeds 0, 1; README, The toy world): +0.21, +0.13
+# Measured gains over seeds 0-4 (README, The toy world): +0.208, +0.125, +0.146, +0.177, +0.167 (mean +0.165, std
+# 0.031): the margin is 2 std below the lowest seed, and the mean gain 3.4 std above it.
+DRAFT3_MARGIN = 0.06
