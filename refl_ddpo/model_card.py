@@ -53,6 +53,8 @@ METHODS = {
             "gradient_accumulation_steps",
             "kl_weight",
             "pretrain_loss_weight",
+            "backprop_steps",
+            "draft_lv",
         ),
     ),
     "ddpo": (
@@ -66,6 +68,10 @@ METHODS = {
         (*_POLICY, "group_size", "global_std", "same_noise_per_group", "sde_window"),
     ),
 }
+DRAFT_METHOD = (
+    "DRaFT-K / AlignProp: the reward's gradient through the last K denoising steps of a full sampling run",
+    "Clark et al. 2023, arXiv 2309.17400; Prabhudesai et al. 2023, arXiv 2310.03739",
+)
 FAMILIES = {
     "sd": "Stable Diffusion 1.x / 2.x (UNet)",
     "sd3": "Stable Diffusion 3 / 3.5 (MMDiT, flow matching)",
@@ -111,6 +117,10 @@ def model_card(
     )
     on_hub = not looks_local(cfg.pretrained_model)
     method, reference, settings = METHODS[trainer]
+    if trainer == "refl" and config.get(
+        "backprop_steps"
+    ):  # the same trainer, the reward through the last K steps
+        method, reference = DRAFT_METHOD
     where = repo_id or str(out_dir.resolve())
     lora = bool(cfg.use_lora)
     tags = ["text-to-image", "diffusers", CARD_TAG, trainer, "lora" if lora else "full-fine-tune"]

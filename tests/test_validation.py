@@ -294,6 +294,10 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
     assert "transformer = SD3Transformer2DModel.from_pretrained(" in card.text and "group_size" in card.text
     assert "No validation ran" in card.text
 
+    draft = parse_config(ReFLConfig, ["--preset", "toy_world", "--backprop_steps", "3"])
+    text = model_card(tmp_path, draft, "refl", "sd", "UNet2DConditionModel", "unet", {}).text
+    assert "DRaFT-K / AlignProp" in text and "| backprop_steps | `3` |" in text
+
 
 def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_path):
     from refl_ddpo.model_card import CARD_NAME, model_card
