@@ -397,7 +397,15 @@ def test_config_check_names_the_fields(argv, env, names, monkeypatch):
 
 @pytest.mark.parametrize(
     "batch, batches, processes, group, train_batch",
-    [(3, 1, 2, 4, 3), (3, 2, 1, 4, 1), (4, 1, 1, 3, 2), (2, 1, 3, 8, 1), (1, 1, 1, 3, 1), (6, 1, 1, 4, 3), (4, 1, 1, 3, 4)],
+    [
+        (3, 1, 2, 4, 3),
+        (3, 2, 1, 4, 1),
+        (4, 1, 1, 3, 2),
+        (2, 1, 3, 8, 1),
+        (1, 1, 1, 3, 1),
+        (6, 1, 1, 4, 3),
+        (4, 1, 1, 3, 4),
+    ],
 )
 def test_group_arithmetic_error_offers_fixes_that_work(batch, batches, processes, group, train_batch):
     """The one-line error's two fixes (a --group_size, a --sample_num_batches_per_epoch) each make the epoch a whole
