@@ -62,6 +62,9 @@ def test_ppo_clip_loss_matches_closed_form():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(info["approx_kl"], 0.5 * (ratio.log() ** 2).mean())
     assert info["clipfrac"].item() == 0.5  # |r - 1| > 0.1 for 1.5 and 0.5
+    torch.testing.assert_close(
+        info["ratio"], torch.tensor((1.5 + 0.5 + 1.05 + 0.98) / 4, dtype=torch.float64)
+    )
     loss.backward()
     # the clipped sample 0 has no gradient; the others d/dlogp (-A r / B)
     torch.testing.assert_close(

@@ -2,14 +2,18 @@
 over processes, the SDE window (its steps are the only stochastic and the only trained ones), the KL to the base model
 in the loss, config checks and presets, the shell script end to end. CPU, tiny models."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
 from refl_ddpo.config import parse_config
@@ -110,21 +114,28 @@ def test_window_start_is_uniform_over_the_windows_that_fit():
 # ---- the SDE window on the tiny model ----
 
 
-def _family(tiny_sd):
-    from diffusers import DDIMScheduler
+FAMILIES = [
+    "stable-diffusion",
+    "tiny-sd3",
+]  # SD 1.x (DDIM, eta 1) and SD3 (Flow-GRPO's SDE step, noise level 0.7)
+ETA = {"stable-diffusion": 1.0, "tiny-sd3": 0.7}
 
+
+def _family(tiny_models, model: str = "stable-diffusion"):
     torch.manual_seed(0)
-    family = load_family(str(tiny_sd))
-    family.pipe.scheduler = DDIMScheduler.from_config(family.pipe.scheduler.config)
+    family = load_family(str(tiny_models / model))
+    family.pipe.scheduler = family.policy_scheduler()  # DDIM on SD 1.x, flow matching on SD3
     uncond, _ = family.encode_prompts([""], with_negative=False)
     return family, uncond
 
 
+@pytest.mark.parametrize("model", FAMILIES)
 @torch.no_grad()
-def test_only_the_window_steps_are_stochastic(tiny_sd):
+def test_only_the_window_steps_are_stochastic(tiny_models, model):
     """Same x_T, two step-noise generators: the latents agree up to the window and differ from its first step on;
-    log-probs are 0 exactly outside the window; with an empty window the loop is the deterministic DDIM (eta 0)."""
-    family, uncond = _family(tiny_sd)
+    log-probs are 0 exactly outside the window; with an empty window the loop is the deterministic sampler (DDIM eta
+    0 / the flow ODE)."""
+    family, uncond = _family(tiny_models, model)
     scheduler = family.pipe.scheduler
     cond, _ = family.encode_prompts(["a cat", "a dog"], with_negative=False)
     noise = family.initial_noise(2, RES, torch.Generator().manual_seed(1), torch.float32)
@@ -137,7 +148,7 @@ def test_only_the_window_steps_are_stochastic(tiny_sd):
             noise,
             6,
             5.0,
-            eta=1.0,
+            eta=ETA[model],
             generator=torch.Generator().manual_seed(seed),
             with_logprob=True,
             keep_trajectory=True,
@@ -155,12 +166,15 @@ def test_only_the_window_steps_are_stochastic(tiny_sd):
     assert torch.equal(ode.latents, ddim.latents)
 
 
-def test_window_steps_are_the_only_trained_ones_and_on_policy(tiny_sd):
-    """sample_epoch keeps the window's steps only, so training (every kept step, shuffled) touches no other step; the
-    first PPO step is on-policy there."""
-    family, uncond = _family(tiny_sd)
+@pytest.mark.parametrize("model", FAMILIES)
+def test_first_update_is_on_policy_and_trains_the_window_steps_only(tiny_models, model):
+    """sample_epoch keeps the window's steps only, so training (every kept step, shuffled) touches no other step. The
+    first PPO step is on-policy there on both families, with the KL to the base model on (a random LoRA, so the KL
+    is > 0): importance ratio 1 to 1e-5, overall and at each sampler step (logged as ratio_by_step/NN, NN = the
+    window's steps 3 and 4 only), nothing clipped."""
+    family, uncond = _family(tiny_models, model)
     scheduler = family.pipe.scheduler
-    params = add_lora(family.network, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
+    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     prompts = iter(["a cat", "a dog"] * 4)
     batches = sample_epoch(
         family,
@@ -172,7 +186,7 @@ def test_window_steps_are_the_only_trained_ones_and_on_policy(tiny_sd):
         num_batches=2,
         num_steps=6,
         guidance_scale=5.0,
-        eta=1.0,
+        eta=ETA[model],
         resolution=RES,
         generator=torch.Generator().manual_seed(0),
         sde_window=(3, 2),
@@ -197,12 +211,69 @@ def test_window_steps_are_the_only_trained_ones_and_on_policy(tiny_sd):
         batch_size=2,
         num_train_steps=2,
         guidance_scale=5.0,
-        eta=1.0,
+        eta=ETA[model],
         clip_range=1e-4,
+        kl_weight=0.04,
     )
-    assert len(steps) == 2 and all(s["approx_kl"] < 1e-10 and s["clipfrac"] == 0 for s in steps), steps
+    assert len(steps) == 2, steps
+    for s in steps:
+        assert s["approx_kl"] < 1e-10 and s["clipfrac"] == 0 and s["kl"] > 0, s
+        assert abs(s["ratio"] - 1) <= 1e-5, s
+        by_step = {k: v for k, v in s.items() if k.startswith("ratio_by_step/")}
+        assert sorted(by_step) == ["ratio_by_step/03", "ratio_by_step/04"], s
+        assert all(abs(v - 1) <= 1e-5 for v in by_step.values()), s
     cfg = _parse(["--sample_num_steps", "10", "--sde_window", "4", "--timestep_fraction", "0.5"])
     assert num_train_timesteps(cfg) == 2  # the fraction is of the window's steps
+
+
+def test_ratio_by_step_averages_the_ratios_of_each_sampler_step(tiny_sd):
+    """Off-policy on purpose (the stored log-probs shifted by a known amount per sample and step): ratio_by_step/NN
+    is the mean of exp(logp - logp_old) over the samples trained at sampler step NN, ratio the mean over all."""
+    family = load_family(str(tiny_sd))
+    family.pipe.scheduler = scheduler = family.policy_scheduler()
+    params = add_lora(family.network, 4, 4, ["to_q", "to_v"])
+    uncond, _ = family.encode_prompts([""], with_negative=False)
+    prompts = iter(["a cat", "a dog"] * 2)
+    batches = sample_epoch(
+        family,
+        scheduler,
+        lambda: (next(prompts), {}),
+        build_reward("jpeg_compressibility", "cpu"),
+        uncond,
+        batch_size=4,
+        num_batches=1,
+        num_steps=3,
+        guidance_scale=1.0,
+        eta=1.0,
+        resolution=RES,
+        generator=torch.Generator().manual_seed(0),
+    )
+    samples = stack_samples(batches, torch.zeros(4))
+    shift = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.1, -0.1], [0.2, 0.2, 0.0], [-0.3, 0.0, 0.1]])  # (N, S)
+    samples["log_probs"] = samples["log_probs"] - shift  # ratio = exp(shift) to ~1e-6 (on-policy otherwise)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    (step,) = train_on_samples(
+        family,
+        family.network,
+        scheduler,
+        samples,
+        None,
+        accelerator,
+        accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)),
+        params,
+        torch.Generator().manual_seed(1),
+        num_steps=3,
+        batch_size=4,
+        num_train_steps=3,
+        guidance_scale=1.0,
+        eta=1.0,
+        clip_range=0.05,
+    )
+    ratios = shift.double().exp()
+    for i in range(3):
+        assert step[f"ratio_by_step/{i:02d}"] == pytest.approx(ratios[:, i].mean().item(), rel=1e-5)
+    assert step["ratio"] == pytest.approx(ratios.mean().item(), rel=1e-5)
+    assert step["clipfrac"] == pytest.approx((shift.abs() > 0.05).float().mean().item())
 
 
 def test_beta_adds_the_mean_space_kl_to_the_base_model_on_sd3(tiny_models):
@@ -324,6 +395,43 @@ def test_config_check_names_the_fields(argv, env, names, monkeypatch):
         assert name in msg, (name, msg)
 
 
+@pytest.mark.parametrize(
+    "batch, batches, processes, group, train_batch",
+    [
+        (3, 1, 2, 4, 3),
+        (3, 2, 1, 4, 1),
+        (4, 1, 1, 3, 2),
+        (2, 1, 3, 8, 1),
+        (1, 1, 1, 3, 1),
+        (6, 1, 1, 4, 3),
+        (4, 1, 1, 3, 4),
+    ],
+)
+def test_group_arithmetic_error_offers_fixes_that_work(batch, batches, processes, group, train_batch):
+    """The one-line error's two fixes (a --group_size, a --sample_num_batches_per_epoch) each make the epoch a whole
+    number of groups and of optimizer steps."""
+    import dataclasses
+    import re
+
+    from refl_ddpo.trainers.grpo_config import check_group_arithmetic
+
+    cfg = GRPOConfig(
+        sample_batch_size=batch,
+        sample_num_batches_per_epoch=batches,
+        group_size=group,
+        train_batch_size=train_batch,
+    )
+    with pytest.raises(UserError) as e:
+        check_group_arithmetic(cfg, processes)
+    msg = str(e.value)
+    fixes = dict(re.findall(r"--(group_size|sample_num_batches_per_epoch) (\d+)", msg.split("use ")[1]))
+    assert "sample_num_batches_per_epoch" in fixes, msg
+    for name, value in fixes.items():
+        fixed = dataclasses.replace(cfg, **{name: int(value)})
+        check_group_arithmetic(fixed, processes)
+        assert fixed.group_size >= 2 and (batch * fixed.sample_num_batches_per_epoch) % train_batch == 0, msg
+
+
 def test_groups_may_span_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = _parse(["--sample_batch_size", "2", "--sample_num_batches_per_epoch", "1", "--group_size", "4"])
@@ -350,15 +458,17 @@ def test_flow_grpo_preset_and_flags():
 # ---- the shell script end to end ----
 
 
-def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_models, tmp_path):
-    """Two CPU processes x 6 samples in groups of 4: group 1 spans both (rewards and group ids are gathered before
-    the advantages), with a shared x_T, an SDE window and beta; the processes end with identical weights."""
-    out = tmp_path / "run"
+def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    env.update(PYTHON=sys.executable, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", NUM_PROCESSES="2")
-    flags = [
+    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _span_flags(tiny_models, model: str, out: Path, *extra: str) -> list[str]:
+    """Two CPU processes x 6 samples in groups of 4 (group 1 spans both), one x_T per group, an SDE window of 2 whose
+    start is drawn per epoch, beta; 2 epochs, a checkpoint after each. SD3 adds --global_std."""
+    return [
         "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
+        str(tiny_models / model),
         "--reward_model_dir",
         str(tiny_models),
         "--output_dir",
@@ -385,31 +495,74 @@ def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_mo
         "--num_epochs",
         "2",
         "--save_freq",
-        "2",
+        "1",
         "--device",
         "cpu",
-        "--report_to",
-        "none",
-        # validated on the main process alone, the other one waits at the next collective
-        "--validation_prompts_file",
-        "toy_world_heldout",
-        "--validation_epochs",
-        "1",
-        "--num_validation_images",
-        "1",
-        "--validation_num_steps",
-        "2",
+        *(["--global_std"] if model == "tiny-sd3" else []),
+        *extra,
     ]
-    r = subprocess.run(
-        ["bash", str(SCRIPT), *flags],
+
+
+def _script(args: list[str], **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
         cwd=REPO,
-        env=env,
+        env=_env(NUM_PROCESSES="2", **env),
         capture_output=True,
         text=True,
         timeout=240,
         check=False,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+
+
+# validated on the main process alone, the other one waits at the next collective; the resumed run below has no
+# validation nor trackers, and its LoRA must still be bit-identical
+VALIDATION = (
+    "--validation_prompts_file",
+    "toy_world_heldout",
+    "--validation_epochs",
+    "1",
+    "--num_validation_images",
+    "1",
+    "--validation_num_steps",
+    "2",
+)
+_runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+
+@pytest.fixture(scope="module")
+def spanning_run(tiny_models, tmp_path_factory):
+    """The two-process run of a family (`_span_flags`), run once per module and family."""
+
+    def run(model: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if model not in _runs:
+            out = tmp_path_factory.mktemp(f"grpo-{model}") / "run"
+            r = _script(_span_flags(tiny_models, model, out, "--report_to", "tensorboard", *VALIDATION))
+            assert r.returncode == 0, r.stderr[-3000:]
+            _runs[model] = out, r
+        return _runs[model]
+
+    yield run
+    _runs.clear()
+
+
+def _scalars(out: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for f in (out / "logs").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        scalars.update({t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]})
+    return scalars
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(spanning_run, model):
+    """Rewards and group ids are gathered before the advantages; the processes end with identical weights; the
+    derived sizes are printed; the trackers get the mean importance ratio (1 at the first, on-policy, update; and
+    per sampler step), the clip fraction, the KL and the zero-std fraction."""
+    out, r = spanning_run(model)
     assert "groups (prompts) per epoch: 3" in r.stdout and "samples per group: 4" in r.stdout
     assert r.stdout.count("12 rewards from 2 process(es)") == 2 and "grpo/zero_std_groups" in r.stdout
     assert (out / LORA_WEIGHTS_NAME).is_file() and (out / "checkpoint-2").is_dir()
@@ -419,3 +572,90 @@ def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(tiny_mo
         f"epoch-{n}.json" for n in range(3)
     ]
     assert (out / "README.md").is_file()
+    scalars = _scalars(out)
+    for key in (
+        "grpo/ratio",
+        "grpo/approx_kl",
+        "grpo/clipfrac",
+        "grpo/kl",
+        "grpo/loss",
+        "grpo/zero_std_groups",
+    ):
+        assert key in scalars, (key, sorted(scalars))
+    assert len(scalars["grpo/ratio"]) == 4 and len(scalars["grpo/zero_std_groups"]) == 2  # 2 steps per epoch
+    assert abs(scalars["grpo/ratio"][0] - 1) <= 1e-5, scalars["grpo/ratio"]
+    assert scalars["grpo/kl"][0] == 0 < scalars["grpo/kl"][-1], (
+        "the LoRA starts at the base model, then moves"
+    )
+    by_step = [k for k in scalars if k.startswith("grpo/ratio_by_step/")]
+    assert by_step and set(by_step) <= {f"grpo/ratio_by_step/{i:02d}" for i in range(4)}, by_step
+    assert "validation/jpeg_compressibility/mean" in scalars
+
+
+def test_resume_after_a_killed_run_gives_the_bit_identical_lora(spanning_run, tiny_models, tmp_path):
+    """SD3, two processes, groups across them, one x_T per group, a drawn window, beta, global std: killed (-9) after
+    its first checkpoint, resumed with --resume_from_checkpoint latest, the LoRA and the counters equal the
+    uninterrupted run's bit for bit."""
+    reference, _ = spanning_run("tiny-sd3")
+    out = tmp_path / "killed"
+    flags = _span_flags(tiny_models, "tiny-sd3", out, "--report_to", "none")
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPT), *flags],
+        cwd=REPO,
+        env=_env(NUM_PROCESSES="2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 180
+    while not (out / "checkpoint-1").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # in epoch 2
+    proc.wait()
+    assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    r = _script([*flags, "--resume_from_checkpoint", "latest"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
+    assert "weights identical on all 2 process(es)" in r.stdout
+    resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(reference / LORA_WEIGHTS_NAME)
+    first = load_file(reference / "checkpoint-1" / LORA_WEIGHTS_NAME)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert any(not torch.equal(first[k], uninterrupted[k]) for k in first), "the resumed epoch did train"
+    assert json.loads((out / "checkpoint-2" / "train_state.json").read_text()) == json.loads(
+        (reference / "checkpoint-2" / "train_state.json").read_text()
+    )
+
+
+def test_script_refuses_groups_that_do_not_tile_the_processes_in_one_line_before_loading(tmp_path):
+    """2 processes x 3 x 1 images = 6, groups of 4: one line (not one per process) naming the fields, the process
+    count and fixes that work, before any model is looked at (the model path does not exist)."""
+    out = tmp_path / "never"
+    r = _script(
+        [
+            "--output_dir",
+            str(out),
+            "--pretrained_model",
+            str(tmp_path / "missing"),
+            "--sample_batch_size",
+            "3",
+            "--sample_num_batches_per_epoch",
+            "1",
+            "--train_batch_size",
+            "3",
+            "--group_size",
+            "4",
+        ]
+    )
+    assert r.returncode != 0
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1, r.stderr
+    for part in (
+        "--sample_batch_size 3",
+        "--sample_num_batches_per_epoch 1",
+        "2 processes = 6",
+        "--group_size 4",
+        "use --group_size 3 or --sample_num_batches_per_epoch 2",
+    ):
+        assert part in err[0], (part, err[0])
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -14,7 +14,8 @@ def ppo_clip_loss(
     """PPO-clip loss of one step: mean(max(-A * r, -A * clip(r, 1 - c, 1 + c))), r = exp(logp - logp_old).
 
     All inputs (B,). Returns the loss and detached (approx_kl = 0.5 * mean((logp - logp_old)^2), clipfrac =
-    fraction of |r - 1| > c) as in ddpo-pytorch.
+    fraction of |r - 1| > c) as in ddpo-pytorch, and ratio = mean(r), the importance ratio (1 on-policy; a mean
+    drifting below 1 is what GRPO-Guard reports in Flow-GRPO).
     """
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -24,6 +25,7 @@ def ppo_clip_loss(
     info = {
         "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
         "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
+        "ratio": ratio.detach().mean(),
     }
     return loss, info
 

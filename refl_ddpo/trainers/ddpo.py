@@ -54,7 +54,7 @@ from refl_ddpo.rollouts import (
     stack_samples,
 )
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
-from refl_ddpo.trainers.grpo_config import GRPOConfig, group_sizes
+from refl_ddpo.trainers.grpo_config import GRPOConfig, check_group_arithmetic, group_sizes
 from refl_ddpo.training import seeded_generator, stream_seed
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
@@ -120,18 +120,25 @@ def train_on_samples(
     x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
     trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
     Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
-    also handed to `on_step` as each step ends (a progress bar); a non-finite gradient norm raises FloatingPointError
-    before the update (on every process alike).
+    also handed to `on_step` as each step ends (a progress bar); besides `ratio` (the mean importance ratio) it holds
+    `ratio_by_step/NN`, the mean ratio of the samples trained at sampler step NN (0 = the first), for each step the
+    optimizer step trained on. A non-finite gradient norm raises FloatingPointError before the update (on every
+    process alike).
     """
     from refl_ddpo.lora import adapters_off
 
-    family.set_timesteps(scheduler, num_steps, samples["latents"])
+    schedule = family.set_timesteps(scheduler, num_steps, samples["latents"])
+    schedule = schedule.to(samples["timesteps"].device)
+    if not torch.isin(samples["timesteps"], schedule).all():
+        raise ValueError("the samples' timesteps are not those of a num_steps schedule")
     samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
     n = samples["timesteps"].shape[0]
     cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
     uncond = None if uncond is None else cond_expand(uncond, batch_size)
     base = accelerator.unwrap_model(network)
     results, acc = [], defaultdict(list)
+    # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
+    step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)
     network.train()
     for start in range(0, n, batch_size):
         batch = {k: v[start : start + batch_size] for k, v in samples.items()}
@@ -166,6 +173,11 @@ def train_on_samples(
                 info["loss"] = loss.detach()
                 for k, v in info.items():
                     acc[k].append(v)
+                # (B,) each sample's sampler step (0 = the first), its timestep's place in the schedule
+                step = (t[:, None] == schedule[None]).int().argmax(1).to(step_ratios.device)
+                ratio = torch.exp(log_prob.detach() - batch["log_probs"][:, j]).to(step_ratios)  # (B,)
+                step_ratios[0].index_add_(0, step, ratio)
+                step_ratios[1].index_add_(0, step, torch.ones_like(ratio))
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
@@ -181,8 +193,11 @@ def train_on_samples(
                 means = accelerator.reduce(
                     {k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean"
                 )
-                results.append({**{k: float(v) for k, v in means.items()}, "grad_norm": grad_norm})
+                sums, counts = accelerator.reduce(step_ratios, reduction="sum").tolist()
+                by_step = {f"ratio_by_step/{i:02d}": r / c for i, (r, c) in enumerate(zip(sums, counts)) if c}
+                results.append({**{k: float(v) for k, v in means.items()}, **by_step, "grad_norm": grad_norm})
                 acc = defaultdict(list)
+                step_ratios.zero_()
                 if on_step is not None:
                     on_step(results[-1])
     return results
@@ -193,7 +208,8 @@ def train_on_samples(
 # --------------------------------------------------------------------------------------------------------------
 
 
-POSTFIX_KEYS = ("loss", "approx_kl", "clipfrac", "kl")  # the training bar's metrics (train_on_samples' info)
+# the training bar's metrics (train_on_samples' info)
+POSTFIX_KEYS = ("loss", "ratio", "approx_kl", "clipfrac", "kl")
 
 
 def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHook:
@@ -308,6 +324,8 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
     grouped = isinstance(cfg, GRPOConfig)
     accelerator = make_accelerator(cfg, cfg.train_gradient_accumulation_steps * num_train_timesteps(cfg))
     main, rank = accelerator.is_main_process, accelerator.process_index
+    if grouped:  # the config's check read WORLD_SIZE; a launcher that does not set it is caught here
+        check_group_arithmetic(cfg, accelerator.num_processes)
     repo_id = None
     if cfg.push_to_hub and main:
         from refl_ddpo.hub import create_hub_repo

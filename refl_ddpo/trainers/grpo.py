@@ -14,7 +14,13 @@ What differs from DDPO, per epoch:
    group's std or with --global_std the whole epoch's, clipped to +-train_adv_clip_max (refl_ddpo.algorithms.policy
    .group_advantages); the fraction of groups whose rewards are all equal is logged as grpo/zero_std_groups;
 3. training: DDPO's PPO-clip on per-step ratios, plus --beta (= --kl_weight) times the KL of each trained step to the
-   base model (LoRA switched off), in mean space: ||mean - mean_ref||^2 / (2 std_t^2) (family.step_kl).
+   base model (LoRA switched off), in mean space: ||mean - mean_ref||^2 / (2 std_t^2) (family.step_kl). Logged per
+   optimizer step: grpo/ratio (mean importance ratio, 1 at the first update), grpo/ratio_by_step/NN (per sampler
+   step), grpo/clipfrac, grpo/approx_kl, grpo/kl, grpo/loss.
+
+Before training: the derived sizes (images and groups per epoch, optimizer steps); an epoch that is not a whole number
+of groups is refused in one line with fixes that fit. Resume (--resume_from_checkpoint) is bit-exact: the epoch's
+prompts, group noise and window start come from generators seeded by (seed, epoch).
 """
 
 from __future__ import annotations

@@ -74,15 +74,8 @@ class GRPOConfig(DDPOConfig):
                 f"--group_size must be >= 2 (got {self.group_size}): a group of one has advantage 0 and "
                 "gives no gradient; Flow-GRPO uses 24 on 8 GPUs, 8 is a start on one."
             )
-        processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by launch.sh / accelerate for every process
-        per_process = self.sample_batch_size * self.sample_num_batches_per_epoch
-        if (per_process * processes) % self.group_size:
-            hint = f" x {processes} processes" if processes > 1 else ""
-            raise UserError(
-                f"images per epoch (--sample_batch_size {self.sample_batch_size} x --sample_num_batches_per_epoch "
-                f"{self.sample_num_batches_per_epoch}{hint} = {per_process * processes}) must be a multiple of "
-                f"--group_size {self.group_size}: change --sample_num_batches_per_epoch or --group_size."
-            )
+        # WORLD_SIZE: set by launch.sh's check and by accelerate in every process (train() checks again)
+        check_group_arithmetic(self, int(os.environ.get("WORLD_SIZE", "1")))
         if self.sde_window < 0:
             raise UserError(f"--sde_window must be >= 0 (got {self.sde_window}); 0 = every step stochastic.")
         if self.sde_window:
@@ -183,6 +176,34 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
 
 GRPOConfig.ALIASES = DDPO_ALIASES
 GRPOConfig.PRESETS = GRPO_PRESETS
+
+
+def check_group_arithmetic(cfg: GRPOConfig, num_processes: int) -> None:
+    """Refuse an epoch that is not a whole number of groups, in one line that names the fields and two fixes: the
+    nearest --group_size that fits, and the least --sample_num_batches_per_epoch above the current one that fits
+    (keeping the epoch a whole number of optimizer steps)."""
+    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
+    images = per_process * num_processes
+    if images % cfg.group_size == 0:
+        return
+    divisors = [d for d in range(2, images + 1) if images % d == 0]
+    group = max((d for d in divisors if d <= cfg.group_size), default=min(divisors, default=0))
+    per_step = cfg.train_batch_size * cfg.train_gradient_accumulation_steps
+    batches = next(
+        n
+        for n in range(
+            cfg.sample_num_batches_per_epoch, cfg.sample_num_batches_per_epoch * cfg.group_size + 1
+        )
+        if (cfg.sample_batch_size * n * num_processes) % cfg.group_size == 0
+        and (cfg.sample_batch_size * n) % per_step == 0
+    )
+    hint = f" x {num_processes} processes" if num_processes > 1 else ""
+    fixes = f"--group_size {group} or " if group else ""
+    raise UserError(
+        f"images per epoch (--sample_batch_size {cfg.sample_batch_size} x --sample_num_batches_per_epoch "
+        f"{cfg.sample_num_batches_per_epoch}{hint} = {images}) must be a multiple of --group_size {cfg.group_size}: "
+        f"use {fixes}--sample_num_batches_per_epoch {batches}."
+    )
 
 
 def group_sizes(cfg: GRPOConfig, num_processes: int) -> dict[str, int]:
