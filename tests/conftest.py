@@ -17,10 +17,12 @@ torch.set_num_threads(1)
 LONG_FIRST = (
     "test_toy_learning",
     "test_toy_learning_draft",
-    "test_toy_learning_sd3",
+    "test_grpo",
     "test_refl",
     "test_ddpo",
     "test_inference",
+    "test_validation",
+    "test_draft",
 )
 
 
