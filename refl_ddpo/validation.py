@@ -69,6 +69,16 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def make_validator(accelerator, family, reward, cfg, *, every: int, unit: str, last: int, start: int):
+    """The trainer's Validator, or None without --validation_prompts_file; the records of validations after `start`
+    (from a run that went further and was not resumed from there) are forgotten."""
+    if not cfg.validation_prompts_file:
+        return None
+    validator = Validator(accelerator, family, reward, cfg.reward, cfg, every=every, unit=unit, last=last)
+    validator.forget_after(start)
+    return validator
+
+
 class Validator:
     """Validates the family's current weights on the validation prompts; see the module doc.
 

@@ -24,6 +24,7 @@ roberta-large).
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import math
@@ -162,7 +163,9 @@ def _message(answer: dict, base_url: str) -> dict:
 def yes_probability(choice: dict, base_url: str) -> float:
     """P(yes) / (P(yes) + P(no)) over the first answer token's top log-probs when present and holding either word,
     else 1.0 / 0.0 from the text; an answer that is neither is a UserError."""
-    try:
+    with contextlib.suppress(
+        KeyError, IndexError, TypeError, ValueError
+    ):  # no usable log-probs: read the text
         top = choice["logprobs"]["content"][0]["top_logprobs"]
         p = {"yes": 0.0, "no": 0.0}
         for item in top:
@@ -171,8 +174,6 @@ def yes_probability(choice: dict, base_url: str) -> float:
                 p[word] += math.exp(float(item["logprob"]))
         if p["yes"] + p["no"] > 0:
             return p["yes"] / (p["yes"] + p["no"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        pass  # no (usable) log-probs: read the text
     text = choice["message"]["content"].strip().lower()
     if text.startswith("yes"):
         return 1.0

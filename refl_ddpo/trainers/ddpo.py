@@ -377,25 +377,20 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
             f"resumed from {resume}: {first_epoch} epoch(s) done, {global_step} optimizer step(s)"
         )
 
-    validator = None
-    if cfg.validation_prompts_file:
-        from refl_ddpo.validation import Validator
+    from refl_ddpo.validation import make_validator
 
-        validator = Validator(
-            accelerator,
-            family,
-            reward,
-            cfg.reward,
-            cfg,
-            every=cfg.validation_epochs,
-            unit="epoch",
-            last=cfg.num_epochs,
-        )
-        validator.forget_after(
-            first_epoch
-        )  # records of a run that went further and was not resumed from there
-        if first_epoch == 0:
-            validator(0, global_step)  # the baseline: the base model (LoRA starts at zero)
+    validator = make_validator(
+        accelerator,
+        family,
+        reward,
+        cfg,
+        every=cfg.validation_epochs,
+        unit="epoch",
+        last=cfg.num_epochs,
+        start=first_epoch,
+    )
+    if validator is not None and first_epoch == 0:
+        validator(0, global_step)  # the baseline: the base model (LoRA starts at zero)
 
     executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
     train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None

@@ -379,23 +379,18 @@ def train(cfg: ReFLConfig) -> None:
         checksum_file.parent.mkdir(parents=True, exist_ok=True)
         if start_step == 0:
             checksum_file.write_text("")
-    validator = None
-    if cfg.validation_prompts_file:
-        from refl_ddpo.validation import Validator
+    from refl_ddpo.validation import make_validator
 
-        validator = Validator(
-            accelerator,
-            family,
-            reward,
-            cfg.reward,
-            cfg,
-            every=cfg.validation_steps,
-            unit="step",
-            last=cfg.max_train_steps,
-        )
-        validator.forget_after(
-            start_step
-        )  # records of a run that went further and was not resumed from there
+    validator = make_validator(
+        accelerator,
+        family,
+        reward,
+        cfg,
+        every=cfg.validation_steps,
+        unit="step",
+        last=cfg.max_train_steps,
+        start=start_step,
+    )
 
     def validate(count: int) -> None:
         """Validation of the current weights (the EMA's in an EMA run: they are the result)."""
