@@ -112,6 +112,7 @@ def check_output_dir(path: str) -> Path:
 
 def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
 
     from refl_ddpo.config import TRACKERS
@@ -119,6 +120,9 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
 
     set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
     log_with = TRACKERS[cfg.report_to] or None
+    # accelerate keeps its settings per process: a run started in a process that made an Accelerator before (a second
+    # run in a notebook, the test suite) must not inherit that one's mixed precision (the processes' group is kept)
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,

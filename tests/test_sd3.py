@@ -303,7 +303,10 @@ def test_ddpo_first_update_on_sd3_is_on_policy(stock):
         **kw,
     )
     samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=kw["num_steps"])
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # accelerate keeps its state per process: an earlier test's bf16 would leak in
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
     optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
     steps = train_on_samples(
         family,
