@@ -12,6 +12,9 @@ The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds 
     dirty          fraction of pixels farther than CLEAN_THRESHOLD (60) from BOTH the nominal background grey
                    (128, 128, 128, not the border's median: a tinted background is dirty) and the prompt's palette
                    colour. Rendered images have 0; the base model's soft edges give a few percent.
+    grey           fraction of pixels within CLEAN_THRESHOLD of the nominal background grey. A shape 10-24 pixels
+                   across leaves most of the frame grey; a model that pleases a colour reward by filling the frame
+                   with the colour lowers it while `dirty` stays low (seen with ReFL on toy-sd3 at lr 1e-2).
 
 The base models are deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): their training
 captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so they draw
@@ -142,8 +145,8 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
     """Score images (B, 3, H, W) float in [0, 1] or uint8 against their prompts (see the module doc).
 
     Returns per-image tensors `colour_ok` (bool), `nearest` (palette index of the shape's mean colour, -1 when
-    there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), and the means
-    `accuracy` and `dirty_mean` (floats)."""
+    there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), `grey` (fraction), and the
+    means `accuracy` and `dirty_mean` (floats)."""
     x = _to_255(images).cpu()
     b, _, h, w = x.shape
     colour_idx, _ = prompt_indices(prompts)
@@ -162,12 +165,14 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
     target = _PALETTE[colour_idx].view(b, 3, 1, 1)
     dirty_px = ((x - grey).norm(dim=1) > CLEAN_THRESHOLD) & ((x - target).norm(dim=1) > CLEAN_THRESHOLD)
     dirty = dirty_px.float().mean(dim=(1, 2))
+    grey_fraction = ((x - grey).norm(dim=1) <= CLEAN_THRESHOLD).float().mean(dim=(1, 2))
     return {
         "colour_ok": colour_ok,
         "nearest": nearest,
         "shape_pixels": count,
         "mean_colour": mean_colour,
         "dirty": dirty,
+        "grey": grey_fraction,
         "accuracy": colour_ok.float().mean().item(),
         "dirty_mean": dirty.mean().item(),
     }
@@ -332,6 +337,7 @@ def evaluate(
     return {
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
+        "grey": float(result["grey"].mean()),
     }
 
 
@@ -351,6 +357,7 @@ def judge_run(run_dir: str | Path) -> dict[str, float]:
         "images": len(prompts),
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
+        "grey": float(result["grey"].mean()),
     }
 
 

@@ -76,6 +76,21 @@ def test_judge_on_rendered_wrong_colour_and_tinted_background():
     assert not tw.judge(blank, ["a red circle", "a blue square"])["colour_ok"].any()
 
 
+def test_grey_fraction_sees_a_shape_grown_to_fill_the_frame():
+    """`dirty` cannot see a frame filled with the prompt's own colour (those pixels are near its palette colour);
+    `grey` can: it is 1 - the shape's area on rendered images and 0 on a filled frame."""
+    images, prompts = _rendered()
+    res = tw.judge(images, prompts)
+    area = (images != 128).any(1).float().mean(dim=(1, 2))
+    assert torch.allclose(res["grey"], 1 - area)
+    assert (res["grey"] > 0.4).all()
+    red = torch.tensor(tw.COLOURS["red"], dtype=torch.float32).view(1, 3, 1, 1) / 255
+    filled = red.expand(1, 3, 32, 32).clone()
+    filled[..., 4:20, 4:20] = 0.5  # a grey hole: the judge still finds a 'shape' (the red) around it
+    res = tw.judge(filled, ["a red square"])
+    assert res["dirty_mean"] == 0.0 and res["grey"].item() == pytest.approx(0.25)
+
+
 def test_committed_files_match_sha256sums():
     listed = tw.verify_sums(tw.DATA_DIR)
     present = {p.relative_to(tw.DATA_DIR).as_posix() for p in tw.DATA_DIR.rglob("*") if p.is_file()}

@@ -1,0 +1,86 @@
+"""benchmarks/time_to_reward.py without its long runs: the curve arithmetic, the report, the process-tree CPU clock
+and one-line errors for bad flags (no timing is asserted)."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.time_to_reward import CONFIGS, TARGET_CONFIG, mean_curve, report, time_to, tree_cpu_seconds
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_time_to_interpolates_between_checkpoints():
+    curve = [(0.0, 0.4), (100.0, 0.5), (200.0, 0.7)]
+    assert time_to(curve, 0.45) == pytest.approx(50.0)
+    assert time_to(curve, 0.6) == pytest.approx(150.0)
+    assert time_to(curve, 0.4) == 0.0  # the base already reaches it
+    assert time_to(curve, 0.8) is None
+    assert time_to([(0.0, 0.5), (10.0, 0.3), (20.0, 0.6)], 0.55) == pytest.approx(10 + 10 * 0.25 / 0.3)
+
+
+def test_mean_curve_averages_seeds_checkpoint_by_checkpoint():
+    assert mean_curve([[(0, 0.4), (10, 0.6)], [(0, 0.4), (20, 0.5), (30, 0.9)]]) == [(0, 0.4), (15, 0.55)]
+
+
+def test_report_names_every_configuration_and_the_target(tmp_path):
+    runs = {
+        TARGET_CONFIG: {"0": [{"step": 16, "cpu_s": 100.0, "accuracy": 0.45}]},
+        "refl": {
+            "0": [{"step": 40, "cpu_s": 40.0, "accuracy": 0.6}],
+            "1": [{"step": 40, "cpu_s": 50.0, "accuracy": 0.5}],
+        },
+    }
+    text = report({"base_accuracy": 0.4, "runs": runs}, tmp_path)
+    assert (tmp_path / "results.md").read_text() == text
+    assert "0.450" in text and "xychart-beta" in text
+    refl_row = next(line for line in text.splitlines() if line.startswith("| `refl`"))
+    # seed mean curve (0, 0.4) -> (45, 0.55): 0.45 is reached at a third of the way, 15 s, 0.15 of the target's 100 s
+    assert "| 15 | 0.15 |" in refl_row and "0.550 (0.500-0.600)" in refl_row
+
+
+def test_tree_cpu_seconds_counts_children():
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while 1: pass'])",
+        ]
+    )
+    try:
+        time.sleep(1.5)
+        assert tree_cpu_seconds(child.pid) > 0.5  # the grandchild's busy loop, not the idle parent
+    finally:
+        subprocess.run(["pkill", "-P", str(child.pid)], check=False)
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--configs", "bogus"], ["--configs", "bogus"]),
+        (["--seeds", "a"], ["--seeds"]),
+        (["--jobs", "0"], ["--jobs"]),
+    ],
+)
+def test_bad_flags_fail_with_one_line(argv, words, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "benchmarks/time_to_reward.py", "--out", str(tmp_path / "out"), *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert all(w in last for w in words), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_configuration_uses_a_shipped_script():
+    for script, *_ in CONFIGS.values():
+        assert (REPO / "train_scripts" / script).is_file()
