@@ -57,6 +57,7 @@ CONFIGS: dict[str, tuple[str, list[str], list[str], str]] = {
     ),
 }
 TARGET_CONFIG = "ddpo"
+GAIN = 0.10  # a second target: the base's accuracy plus this
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -183,12 +184,13 @@ def report(results: dict, out: Path) -> str:
     }
     target = curves[TARGET_CONFIG][-1][1] if TARGET_CONFIG in curves else None
     ref_time = curves[TARGET_CONFIG][-1][0] if TARGET_CONFIG in curves else None
-    headline = (
-        f"Held-out colour accuracy of the base: {base:.3f}. Target: the final accuracy of `{TARGET_CONFIG}` "
-        f"(seed mean) = {target:.3f}, reached there after {ref_time:.0f} CPU s."
-        if target is not None
-        else f"Held-out colour accuracy of the base: {base:.3f}."
-    )
+    headline = f"Held-out colour accuracy of the base: {base:.3f}."
+    if target is not None:
+        headline += (
+            f" Target: the final accuracy of `{TARGET_CONFIG}` (seed mean) = {target:.3f}, reached there after "
+            f"{ref_time:.0f} CPU s"
+            + (" (not above the base, so every configuration starts at it)." if target <= base else ".")
+        )
     columns = (
         "configuration",
         "seeds",
@@ -196,21 +198,24 @@ def report(results: dict, out: Path) -> str:
         "CPU s, seed mean",
         "CPU s to the target",
         "fraction of the target run's time",
+        f"CPU s to base + {GAIN:.2f}",
     )
     lines = [
         headline,
         "",
         "| " + " | ".join(columns) + " |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "|" + " --- |" * len(columns),
     ]
     for name, runs in results["runs"].items():
         finals = [run[-1]["accuracy"] for run in runs.values()]
         curve = curves[name]
         t = time_to(curve, target) if target is not None else None
         frac = f"{t / ref_time:.2f}" if t is not None and ref_time else "-"
+        t_gain = time_to(curve, base + GAIN)
         lines.append(
             f"| `{name}`: {CONFIGS[name][3]} | {len(runs)} | {sum(finals) / len(finals):.3f} ({min(finals):.3f}-"
-            f"{max(finals):.3f}) | {curve[-1][0]:.0f} | {'not reached' if t is None else f'{t:.0f}'} | {frac} |"
+            f"{max(finals):.3f}) | {curve[-1][0]:.0f} | {'not reached' if t is None else f'{t:.0f}'} | {frac} | "
+            f"{'not reached' if t_gain is None else f'{t_gain:.0f}'} |"
         )
     # Mermaid's xychart has one shared x axis: each curve resampled on a common CPU-time grid (step-wise hold).
     horizon = max(c[-1][0] for c in curves.values())

@@ -5,7 +5,7 @@ beside the ReFL learning test."""
 
 import pytest
 import torch
-from test_toy_learning import _check_only_the_lora_changed, _train, held_out_accuracy
+from test_toy_learning import _check_only_the_lora_changed, _train, check_no_frame_filling, held_out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,13 +22,14 @@ DRAFT3_FLAGS = ("--backprop_steps", "3", "--max_train_steps", "80", "--learning_
 
 
 def test_draft3_raises_held_out_colour_accuracy(tmp_path):
-    base = held_out_accuracy()
+    base = held_out()
     r = _train("train_refl_lora.sh", tmp_path / "draft3", *DRAFT3_FLAGS)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "reward backprop: DRaFT-3" in r.stdout
     _check_only_the_lora_changed(tmp_path / "draft3")
-    after = held_out_accuracy(tmp_path / "draft3")
-    assert after - base >= DRAFT3_MARGIN, (base, after)
+    after = held_out(tmp_path / "draft3")
+    assert after["accuracy"] - base["accuracy"] >= DRAFT3_MARGIN, (base, after)
+    check_no_frame_filling(base, after)
 
 
 # Measured gains over seeds 0-4 (README, The toy world): +0.208, +0.125, +0.146, +0.177, +0.167 (mean +0.165, std
