@@ -196,6 +196,33 @@ def test_cuda_behaviour_on_meta_autocast_and_fused_attention():
         assert mem.peak - mem.live < 8 * 2**20
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputation_behaves_as_cuda_on_meta(reentrant):
+    """Gradient checkpointing recomputes in backward, where the torch-function mode stack is empty: the
+    recomputation must still see autocast's casts and the fused attention, or it saves other tensors than the
+    forward (torch.utils.checkpoint raises) and counts the math path's attention matrix."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.memory import PeakMemory, cuda_on_meta
+
+    def block(x, w):  # an fp32 trained weight on bf16 activations, then attention over 4096 tokens
+        q = F.linear(x, w).unflatten(-1, (2, 64)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q)
+
+    with cuda_on_meta(), PeakMemory() as mem:
+        x = torch.randn(1, 4096, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(128, 128, device="meta", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = checkpoint(block, x, w, use_reentrant=reentrant)
+        assert out.dtype == torch.bfloat16
+        out.sum().backward()
+        assert w.grad.dtype == torch.float32 and x.grad.shape == x.shape
+        # The math path would hold 2 x 4096 x 4096 fp32 scores (128 MiB); flash keeps outputs and log-sum-exp.
+        assert mem.peak < 16 * 2**20
+
+
 def test_memory_only_on_tiny_models(tmp_path):
     import torch
 
