@@ -184,10 +184,15 @@ def _sdpa_kernel(q: torch.Tensor, attn_mask) -> str:
     return "efficient"
 
 
+def _is_cuda(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
 class CudaOnMeta(TorchFunctionMode):
     """What CUDA does differently from the meta device, at the level of torch functions: autocast (its op lists
     and its cache of cast weights) while `torch.autocast("cuda")` is on, and scaled-dot-product attention on the
-    H100's fused kernels."""
+    H100's fused kernels. Tensors made or moved on `cuda` (the accelerator's device, as `MetaBench` sets it) go to
+    the meta device."""
 
     def __init__(self):
         super().__init__()
@@ -206,6 +211,10 @@ class CudaOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):  # a tensor made on the accelerator's device (`cuda`) goes to meta
+            kwargs = {**kwargs, "device": DEVICE}
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            args = tuple(DEVICE if _is_cuda(a) else a for a in args)
         if func is F.scaled_dot_product_attention:
             return self._attention(func, args, kwargs)
         name = getattr(func, "__name__", None)

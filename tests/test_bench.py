@@ -189,6 +189,11 @@ def test_cuda_behaviour_on_meta_autocast_and_fused_attention():
             assert F.interpolate(x.bfloat16(), scale_factor=2.0).dtype == torch.float32
             assert x.bfloat16().softmax(-1).dtype == torch.float32
         assert F.linear(x, w).dtype == torch.float32  # outside autocast
+        # Tensors made or moved on the accelerator's device (cuda) are device tensors, on meta.
+        made = torch.zeros(2, 3, dtype=torch.float64, device=torch.device("cuda", 0))
+        assert made.device.type == "meta" and mem.live >= 512
+        assert torch.ones(2).to(torch.device("cuda", 0)).device.type == "meta"
+        assert torch.ones(2).to("cuda", torch.float16).dtype == torch.float16
         # Attention at 4096 tokens: the flash kernel keeps no 4096 x 4096 score matrix (32 MiB per head in bf16).
         q = torch.randn(1, 2, 4096, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
         mem.reset_peak()
@@ -245,3 +250,17 @@ def test_memory_only_on_tiny_models(tmp_path):
     # The step holds the weights, the Adam states, the activations saved for backward and the gradients.
     assert case["setup_bytes"] < case["steady_bytes"] < case["peak_bytes"] < 3 * case["setup_bytes"]
     assert (tmp_path / "memory.md").read_text().count("| refl lora b1 |") == 1
+
+
+def test_memory_only_ddpo_on_tiny_models(tmp_path):
+    """DDPO's sampling and training pass count on meta (the trainer makes tensors on the accelerator's device)."""
+    from benchmarks.memory import run_memory_only
+
+    argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "ddpo_sample,ddpo_train"]
+    argv += ["--ddpo_sample_batch_size", "1", "--ddpo_train_batch_size", "1", "--ddpo_steps", "2"]
+    sample, train = run_memory_only(parse_config(BenchConfig, argv), argv)["cases"]
+    assert (sample["name"], train["name"]) == ("ddpo_sample b1", "ddpo_train b1")
+    # Training holds the Adam states, the activations saved for backward and the gradients on top of the weights.
+    assert sample["setup_bytes"] <= sample["steady_bytes"] < sample["peak_bytes"]
+    assert train["setup_bytes"] < train["steady_bytes"] < train["peak_bytes"]
+    assert train["peak_bytes"] > sample["peak_bytes"]
