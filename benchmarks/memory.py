@@ -20,7 +20,9 @@ How the count is made:
   memory-efficient attention: their outputs and log-sum-exp are all they keep; the meta device would take the
   math path, which holds the whole attention matrix); the multi-tensor (`foreach`) paths of AdamW and gradient
   clipping that CUDA parameters take (AdamW's makes one temporary the size of all trained weights); gradient
-  checkpointing's recomputation under the CUDA autocast state of its forward.
+  checkpointing's recomputation under the CUDA autocast state of its forward and under `CudaOnMeta` (the
+  recomputation runs inside backward, where the torch-function mode stack is empty: without the mode again it
+  would take meta's math attention and skip autocast's casts, and save other tensors than the forward did).
 - Values are not computed: a device value read on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`) gets
   True, 0.5 or 0. The benchmarked code only checks such values (finite, in range) or logs them, so the branches
   taken are the normal ones.
@@ -44,7 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -182,10 +184,15 @@ def _sdpa_kernel(q: torch.Tensor, attn_mask) -> str:
     return "efficient"
 
 
+def _is_cuda(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
 class CudaOnMeta(TorchFunctionMode):
     """What CUDA does differently from the meta device, at the level of torch functions: autocast (its op lists
     and its cache of cast weights) while `torch.autocast("cuda")` is on, and scaled-dot-product attention on the
-    H100's fused kernels."""
+    H100's fused kernels. Tensors made or moved on `cuda` (the accelerator's device, as `MetaBench` sets it) go to
+    the meta device."""
 
     def __init__(self):
         super().__init__()
@@ -204,6 +211,10 @@ class CudaOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):  # a tensor made on the accelerator's device (`cuda`) goes to meta
+            kwargs = {**kwargs, "device": DEVICE}
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            args = tuple(DEVICE if _is_cuda(a) else a for a in args)
         if func is F.scaled_dot_product_attention:
             return self._attention(func, args, kwargs)
         name = getattr(func, "__name__", None)
@@ -266,6 +277,8 @@ def cuda_on_meta():
         optim_module._get_foreach_kernels_supported_devices,
         _foreach_utils._get_foreach_kernels_supported_devices,
         checkpoint_module._infer_device_type,
+        checkpoint_module._CheckpointFrame,
+        checkpoint_module.CheckpointFunction,
     )
     states = (PartialState._shared_state, AcceleratorState._shared_state)
     devices = [s.get("device") for s in states]
@@ -282,8 +295,32 @@ def cuda_on_meta():
         device_type = saved[5](*args)
         return "cuda" if device_type == DEVICE else device_type
 
+    @contextlib.contextmanager
+    def mode_on():
+        # Gradient checkpointing recomputes a block inside backward, where the torch-function mode stack is empty:
+        # without the mode there, the recomputation would take meta's math attention and no autocast casts, save
+        # other tensors than the forward did, and torch.utils.checkpoint's check would fail.
+        with contextlib.nullcontext() if mode in _get_current_function_mode_stack() else mode:
+            yield
+
+    class CheckpointFrame(saved[6]):  # non-reentrant checkpointing: the recomputation runs under the mode
+        def __init__(self, recompute_fn, *args, **kwargs):
+            def recompute(*inputs):
+                with mode_on():
+                    recompute_fn(*inputs)
+
+            super().__init__(recompute, *args, **kwargs)
+
+    class CheckpointFunction(saved[7]):  # reentrant checkpointing: its backward recomputes, under the mode
+        @staticmethod
+        def backward(ctx, *grads):
+            with mode_on():
+                return saved[7].backward(ctx, *grads)
+
     amp.amp_definitely_not_available = lambda: False
     checkpoint_module._infer_device_type = infer_device_type
+    checkpoint_module._CheckpointFrame = CheckpointFrame
+    checkpoint_module.CheckpointFunction = CheckpointFunction
     torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
     torch.clear_autocast_cache = clear_autocast_cache
     optim_module._get_foreach_kernels_supported_devices = foreach_devices
@@ -299,6 +336,8 @@ def cuda_on_meta():
             optim_module._get_foreach_kernels_supported_devices,
             _foreach_utils._get_foreach_kernels_supported_devices,
             checkpoint_module._infer_device_type,
+            checkpoint_module._CheckpointFrame,
+            checkpoint_module.CheckpointFunction,
         ) = saved
         for s, d in zip(states, devices):  # the accelerator was made with cpu=True
             if "device" in s:

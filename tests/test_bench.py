@@ -189,11 +189,43 @@ def test_cuda_behaviour_on_meta_autocast_and_fused_attention():
             assert F.interpolate(x.bfloat16(), scale_factor=2.0).dtype == torch.float32
             assert x.bfloat16().softmax(-1).dtype == torch.float32
         assert F.linear(x, w).dtype == torch.float32  # outside autocast
+        # Tensors made or moved on the accelerator's device (cuda) are device tensors, on meta.
+        made = torch.zeros(2, 3, dtype=torch.float64, device=torch.device("cuda", 0))
+        assert made.device.type == "meta" and mem.live >= 512
+        assert torch.ones(2).to(torch.device("cuda", 0)).device.type == "meta"
+        assert torch.ones(2).to("cuda", torch.float16).dtype == torch.float16
         # Attention at 4096 tokens: the flash kernel keeps no 4096 x 4096 score matrix (32 MiB per head in bf16).
         q = torch.randn(1, 2, 4096, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
         mem.reset_peak()
         F.scaled_dot_product_attention(q, q, q).sum().backward()
         assert mem.peak - mem.live < 8 * 2**20
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputation_behaves_as_cuda_on_meta(reentrant):
+    """Gradient checkpointing recomputes in backward, where the torch-function mode stack is empty: the
+    recomputation must still see autocast's casts and the fused attention, or it saves other tensors than the
+    forward (torch.utils.checkpoint raises) and counts the math path's attention matrix."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.memory import PeakMemory, cuda_on_meta
+
+    def block(x, w):  # an fp32 trained weight on bf16 activations, then attention over 4096 tokens
+        q = F.linear(x, w).unflatten(-1, (2, 64)).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q)
+
+    with cuda_on_meta(), PeakMemory() as mem:
+        x = torch.randn(1, 4096, 128, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(128, 128, device="meta", requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = checkpoint(block, x, w, use_reentrant=reentrant)
+        assert out.dtype == torch.bfloat16
+        out.sum().backward()
+        assert w.grad.dtype == torch.float32 and x.grad.shape == x.shape
+        # The math path would hold 2 x 4096 x 4096 fp32 scores (128 MiB); flash keeps outputs and log-sum-exp.
+        assert mem.peak < 16 * 2**20
 
 
 def test_memory_only_on_tiny_models(tmp_path):
@@ -218,3 +250,17 @@ def test_memory_only_on_tiny_models(tmp_path):
     # The step holds the weights, the Adam states, the activations saved for backward and the gradients.
     assert case["setup_bytes"] < case["steady_bytes"] < case["peak_bytes"] < 3 * case["setup_bytes"]
     assert (tmp_path / "memory.md").read_text().count("| refl lora b1 |") == 1
+
+
+def test_memory_only_ddpo_on_tiny_models(tmp_path):
+    """DDPO's sampling and training pass count on meta (the trainer makes tensors on the accelerator's device)."""
+    from benchmarks.memory import run_memory_only
+
+    argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "ddpo_sample,ddpo_train"]
+    argv += ["--ddpo_sample_batch_size", "1", "--ddpo_train_batch_size", "1", "--ddpo_steps", "2"]
+    sample, train = run_memory_only(parse_config(BenchConfig, argv), argv)["cases"]
+    assert (sample["name"], train["name"]) == ("ddpo_sample b1", "ddpo_train b1")
+    # Training holds the Adam states, the activations saved for backward and the gradients on top of the weights.
+    assert sample["setup_bytes"] <= sample["steady_bytes"] < sample["peak_bytes"]
+    assert train["setup_bytes"] < train["steady_bytes"] < train["peak_bytes"]
+    assert train["peak_bytes"] > sample["peak_bytes"]
