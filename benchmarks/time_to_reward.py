@@ -168,10 +168,12 @@ def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, flo
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     """First CPU time at which the piecewise-linear curve reaches `target`; None if it never does."""
+    if curve and curve[0][1] >= target:
+        return curve[0][0]
     for (t0, a0), (t1, a1) in itertools.pairwise(curve):
-        if a1 >= target:
-            return t1 if a1 == a0 else t0 + (t1 - t0) * max(0.0, (target - a0) / (a1 - a0))
-    return curve[0][0] if curve and curve[0][1] >= target else None
+        if a1 >= target:  # and a0 < target, else an earlier point had returned
+            return t0 + (t1 - t0) * (target - a0) / (a1 - a0)
+    return None
 
 
 def report(results: dict, out: Path) -> str:

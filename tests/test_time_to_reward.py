@@ -18,6 +18,9 @@ def test_time_to_interpolates_between_checkpoints():
     assert time_to(curve, 0.45) == pytest.approx(50.0)
     assert time_to(curve, 0.6) == pytest.approx(150.0)
     assert time_to(curve, 0.4) == 0.0  # the base already reaches it
+    assert (
+        time_to([(0.0, 0.42), (100.0, 0.38), (200.0, 0.37)], 0.375) == 0.0
+    )  # even if the run then falls below
     assert time_to(curve, 0.8) is None
     assert time_to([(0.0, 0.5), (10.0, 0.3), (20.0, 0.6)], 0.55) == pytest.approx(10 + 10 * 0.25 / 0.3)
 
