@@ -318,9 +318,10 @@ _COMPRESSIBILITY = {
 }
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
     # The toy world (refl_ddpo.toy_world): its committed model, the 12 training prompts, the programmatic colour
-    # reward. NOT YET A RECIPE THAT LEARNS: in ~2.5 CPU minutes it keeps held-out colour accuracy where it is (base
-    # 0.42; 0.46 / 0.42 / 0.42 over 3 seeds) without degrading the images; the 64-sample epochs' gradients are nearly
-    # orthogonal to each other (README, "The toy world"). It trains the cross-attention keys / values on the first 4
+    # reward. NOT A RECIPE THAT LEARNS: in ~2.5 CPU minutes held-out colour accuracy stays near the base or falls
+    # (base 0.42; 0.46 / 0.42 / 0.42 over seeds 42, 1, 2; 0.30 / 0.40 / 0.44 over seeds 0-2), and 4x longer it ends at
+    # 0.20 / 0.47 / 0.46 (benchmarks/time_to_reward.py): a per-sample gradient needs thousands of images to stand
+    # above its noise here, an epoch has 64 (README, "The toy world"). It trains the cross-attention keys / values on the first 4
     # of 6 steps, where the colour is decided.
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
