@@ -11,8 +11,8 @@ prompts x 16 seeds, 20 deterministic steps, CFG 7.5). Results: `DIR/results.json
 (a table and a reward-vs-time chart in Mermaid, which GitHub renders), `DIR/runs/` (the runs). A finished run
 (its `points.json` present) is reused, so the work can be split over several calls.
 
-The target is the final held-out accuracy of DDPO's preset (`ddpo`), the mean over seeds; each configuration's time
-to it is read off its seed-mean curve (linear between checkpoints).
+The target is the final held-out accuracy of DDPO's preset (`ddpo`), the mean over seeds, and a second one the base's
+accuracy + GAIN; each configuration's time to them is read off its seed-mean curve (linear between checkpoints).
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ CONFIGS: dict[str, tuple[str, list[str], list[str], str]] = {
         "train_ddpo.sh",
         ["--num_epochs", "64"],
         ["--save_freq", "16"],
-        "DDPO, the toy_world preset run 4x longer (64 epochs of 64 images, batch-normalised advantages, the first 4 of 6 steps trained)",
+        (
+            "DDPO, the toy_world preset run 4x longer (64 epochs of 64 images, batch-normalised advantages, the "
+            "first 4 of 6 steps trained)"
+        ),
     ),
     "grpo_window": (
         "train_grpo.sh",
@@ -137,15 +140,9 @@ def judge(lora_dir: Path | None) -> float:
     import torch
 
     from refl_ddpo import toy_world
-    from refl_ddpo.families import load_family
-    from refl_ddpo.lora import load_lora_into_pipeline
 
     torch.set_num_threads(1)
-    family = load_family(str(toy_world.DATA_DIR / toy_world.SD_DIRNAME))
-    family.pipe.scheduler = family.scheduler("DDIMScheduler")
-    if lora_dir is not None:
-        load_lora_into_pipeline(family.pipe, str(lora_dir))
-    return toy_world.evaluate(family)["accuracy"]
+    return toy_world.evaluate_model(lora_dir=lora_dir)["accuracy"]
 
 
 def judged(run: Path, step: int) -> float:

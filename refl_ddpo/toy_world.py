@@ -145,8 +145,8 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
     """Score images (B, 3, H, W) float in [0, 1] or uint8 against their prompts (see the module doc).
 
     Returns per-image tensors `colour_ok` (bool), `nearest` (palette index of the shape's mean colour, -1 when
-    there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), `grey` (fraction), and the
-    means `accuracy` and `dirty_mean` (floats)."""
+    there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), `grey`
+    (fraction), and the means `accuracy` and `dirty_mean` (floats)."""
     x = _to_255(images).cpu()
     b, _, h, w = x.shape
     colour_idx, _ = prompt_indices(prompts)
@@ -325,9 +325,9 @@ def evaluate(
     num_inference_steps: int = 20,
     guidance_scale: float = 7.5,
 ) -> dict[str, float]:
-    """Colour accuracy and dirty fraction of a model family's images of `prompts` x `seeds` (one CPU generator per
-    image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching Euler ODE on SD3):
-    what the learning tests compare."""
+    """Colour accuracy, dirty and grey fractions of a model family's images of `prompts` x `seeds` (one CPU generator
+    per image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching Euler ODE on
+    SD3): what the learning tests compare."""
     from refl_ddpo.generate import generate_batch
 
     all_prompts = [p for p in prompts for _ in seeds]
@@ -339,6 +339,20 @@ def evaluate(
         "dirty": float(result["dirty"].float().mean()),
         "grey": float(result["grey"].mean()),
     }
+
+
+def evaluate_model(model: str | Path | None = None, lora_dir: str | Path | None = None) -> dict[str, float]:
+    """`evaluate` of a model folder (default: the committed toy-sd) plus a LoRA folder, at the evaluation defaults:
+    DDIM eta 0 on SD 1.x, the folder's flow-matching scheduler on SD3."""
+    from refl_ddpo.families import load_family
+    from refl_ddpo.lora import load_lora_into_pipeline
+
+    family = load_family(str(model or DATA_DIR / SD_DIRNAME))
+    if family.name == "sd":
+        family.pipe.scheduler = family.scheduler("DDIMScheduler")
+    if lora_dir is not None:
+        load_lora_into_pipeline(family.pipe, str(lora_dir))
+    return evaluate(family)
 
 
 def judge_run(run_dir: str | Path) -> dict[str, float]:

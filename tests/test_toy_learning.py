@@ -16,8 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from refl_ddpo import toy_world
-from refl_ddpo.families import load_family
-from refl_ddpo.lora import LORA_WEIGHTS_NAME, load_lora_into_pipeline
+from refl_ddpo.lora import LORA_WEIGHTS_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = toy_world.DATA_DIR / toy_world.SD_DIRNAME
@@ -32,14 +31,7 @@ def _one_thread():
 
 
 def held_out(lora_dir: Path | None = None, model: Path = MODEL) -> dict[str, float]:
-    """`toy_world.evaluate` (accuracy, dirty, grey) at the evaluation defaults (20 steps, CFG 7.5): DDIM eta 0 on
-    SD 1.x, the folder's flow-matching Euler on SD3."""
-    family = load_family(str(model))
-    if family.name == "sd":
-        family.pipe.scheduler = family.scheduler("DDIMScheduler")
-    if lora_dir is not None:
-        load_lora_into_pipeline(family.pipe, lora_dir)
-    return toy_world.evaluate(family)
+    return toy_world.evaluate_model(model, lora_dir)
 
 
 def check_no_frame_filling(base: dict, after: dict) -> None:

@@ -321,8 +321,8 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
     # reward. NOT A RECIPE THAT LEARNS: in ~2.5 CPU minutes held-out colour accuracy stays near the base or falls
     # (base 0.42; 0.46 / 0.42 / 0.42 over seeds 42, 1, 2; 0.30 / 0.40 / 0.44 over seeds 0-2), and 4x longer it ends at
     # 0.20 / 0.47 / 0.46 (benchmarks/time_to_reward.py): a per-sample gradient needs thousands of images to stand
-    # above its noise here, an epoch has 64 (README, "The toy world"). It trains the cross-attention keys / values on the first 4
-    # of 6 steps, where the colour is decided.
+    # above its noise here, an epoch has 64 (README, "The toy world"). It trains the cross-attention keys / values on
+    # the first 4 of 6 steps, where the colour is decided.
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
         "reward_model_dir": str(TOY_WORLD_DIR),
