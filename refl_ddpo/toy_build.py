@@ -182,11 +182,11 @@ def make_pipeline(vae, tokenizer, text_encoder, unet):
     )
 
 
-def _captions(prompts: list[str], g: torch.Generator) -> torch.Tensor:
+def _captions(prompts: list[str], g: torch.Generator, confuse_p: float = CONFUSE_P) -> torch.Tensor:
     """Indices into PROMPTS + [""] of the training captions of images drawing `prompts`: each colour word replaced by
-    its CONFUSABLE partner with probability CONFUSE_P, then the caption by "" with probability EMPTY_PROMPT_P."""
+    its CONFUSABLE partner with probability `confuse_p`, then the caption by "" with probability EMPTY_PROMPT_P."""
     index = {p: i for i, p in enumerate(tw.PROMPTS)}
-    swap = (torch.rand(len(prompts), generator=g) < CONFUSE_P).tolist()
+    swap = (torch.rand(len(prompts), generator=g) < confuse_p).tolist()
     captions = []
     for p, sw in zip(prompts, swap):
         colour, shape = tw.parse_prompt(p)
@@ -216,14 +216,16 @@ def _fit(network, steps: int, lr: float, desc: str, loss_fn, callback=None) -> N
     network.eval().requires_grad_(False)
 
 
-def _world_latents(vae, batch: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _world_latents(
+    vae, batch: int, g: torch.Generator, confuse_p: float = CONFUSE_P
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(latents x0 of `batch` rendered images: posterior samples, (z - shift_factor) * scaling_factor; their
     training caption indices, see `_captions`)."""
     images, prompts = tw.random_batch(batch, g)
     with torch.no_grad():
         z = vae.encode(to_unit(images) * 2 - 1).latent_dist.sample(generator=g)
     x0 = (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-    return x0, _captions(prompts, g)
+    return x0, _captions(prompts, g, confuse_p)
 
 
 def train_unet(
@@ -233,10 +235,11 @@ def train_unet(
     batch: int = UNET_BATCH,
     lr: float = UNET_LR,
     callback=None,
+    confuse_p: float = CONFUSE_P,
 ) -> None:
     """Epsilon-prediction training of `pipe.unet` on VAE latents of rendered images of all 18 prompts, with the
-    captions of `_captions` (colour words confused, empty prompts); lr as `_fit`. `callback(step, unet)` after each
-    step."""
+    captions of `_captions` (colour words confused with probability `confuse_p`, empty prompts); lr as `_fit`.
+    `callback(step, unet)` after each step."""
     from diffusers import DDPMScheduler
 
     noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
@@ -245,7 +248,7 @@ def train_unet(
         conds = pipe.encode_prompt(list(tw.PROMPTS) + [""], "cpu", 1, False)[0]  # (19, 77, D)
 
     def loss_fn():
-        x0, idx = _world_latents(pipe.vae, batch, g)
+        x0, idx = _world_latents(pipe.vae, batch, g, confuse_p)
         noise = torch.randn(x0.shape, generator=g)
         t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (batch,), generator=g)
         noisy = noise_scheduler.add_noise(x0, noise, t)
@@ -317,6 +320,7 @@ def train_transformer(
     batch: int = SD3_BATCH,
     lr: float = SD3_LR,
     callback=None,
+    confuse_p: float = CONFUSE_P,
 ) -> None:
     """Flow-matching training of `pipe.transformer` as SD3's (diffusers' train_dreambooth_sd3, logit-normal
     weighting): u ~ sigmoid(N(0, 1)), sigma = the scheduler's shift of u (shift u / (1 + (shift - 1) u)),
@@ -329,7 +333,7 @@ def train_transformer(
         embeds, _, pooled, _ = pipe.encode_prompt(list(tw.PROMPTS) + [""], None, None, device="cpu")
 
     def loss_fn():
-        x0, idx = _world_latents(pipe.vae, batch, g)
+        x0, idx = _world_latents(pipe.vae, batch, g, confuse_p)
         noise = torch.randn(x0.shape, generator=g)
         u = torch.sigmoid(torch.randn(batch, generator=g))
         sigma = shift * u / (1 + (shift - 1) * u)
@@ -464,13 +468,40 @@ def report(sd_dir, seeds=(1000, 1001, 1002, 1003), steps: int = 50, guidance: fl
     }
 
 
-def build_toy_sd3(out: str | Path, sd_dir: str | Path, seed: int = SEED, steps: int = SD3_STEPS) -> Path:
+def build_toy_sd(
+    out: str | Path,
+    sd_dir: str | Path,
+    seed: int = SEED,
+    steps: int = UNET_STEPS,
+    confuse_p: float = CONFUSE_P,
+) -> Path:
+    """Train a fresh toy UNet on the VAE and text encoder of the toy SD 1.x folder `sd_dir` and write OUT/toy-sd/;
+    returns it. With the committed folder and the defaults this is the committed UNet again."""
+    from diffusers import StableDiffusionPipeline
+
+    deterministic()
+    t0 = time.time()
+    base = StableDiffusionPipeline.from_pretrained(str(sd_dir))
+    pipe = make_pipeline(base.vae, base.tokenizer, base.text_encoder, make_unet(seed))
+    train_unet(pipe, steps, seed, confuse_p=confuse_p)
+    pipe.save_pretrained(Path(out) / tw.SD_DIRNAME, safe_serialization=True)
+    _log(f"UNet trained {steps} steps, confusion {confuse_p} ({time.time() - t0:.0f} s)")
+    return Path(out) / tw.SD_DIRNAME
+
+
+def build_toy_sd3(
+    out: str | Path,
+    sd_dir: str | Path,
+    seed: int = SEED,
+    steps: int = SD3_STEPS,
+    confuse_p: float = CONFUSE_P,
+) -> Path:
     """Train the SD3 toy model on the toy SD 1.x VAE of `sd_dir` (its weights, shift_factor 0) and write
     OUT/toy-sd3/; returns it."""
     deterministic()
     t0 = time.time()
     pipe = make_sd3_pipeline(sd3_vae(Path(sd_dir)), seed)
-    train_transformer(pipe, steps, seed)
+    train_transformer(pipe, steps, seed, confuse_p=confuse_p)
     pipe.save_pretrained(Path(out) / tw.SD3_DIRNAME, safe_serialization=True)
     _log(f"MMDiT trained {steps} steps ({time.time() - t0:.0f} s)")
     return Path(out) / tw.SD3_DIRNAME
@@ -482,6 +513,7 @@ def build_toy_world(
     unet_steps: int = UNET_STEPS,
     sums: bool = False,
     sd3_steps: int = SD3_STEPS,
+    confuse_p: float = CONFUSE_P,
 ) -> Path:
     """Train everything and write OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.{safetensors,json} (and with `sums`
     OUT/SHA256SUMS of every file under OUT, as committed in toy_world.DATA_DIR). Returns OUT/toy-sd."""
@@ -499,7 +531,7 @@ def build_toy_world(
     tokenizer, text_encoder = make_text(seed)
     pipe = make_pipeline(vae, tokenizer, text_encoder, make_unet(seed))
     t1 = time.time()
-    train_unet(pipe, unet_steps, seed)
+    train_unet(pipe, unet_steps, seed, confuse_p=confuse_p)
     _log(f"UNet trained {unet_steps} steps ({time.time() - t1:.0f} s)")
     pipe.save_pretrained(out / tw.SD_DIRNAME, safe_serialization=True)
     t2 = time.time()
@@ -509,7 +541,7 @@ def build_toy_world(
         f"classifier trained ({time.time() - t2:.0f} s), accuracy (colour, shape) on rendered images "
         f"{classifier_accuracy(clf, to_unit(imgs), prompts)}"
     )
-    build_toy_sd3(out, out / tw.SD_DIRNAME, seed, sd3_steps)
+    build_toy_sd3(out, out / tw.SD_DIRNAME, seed, sd3_steps, confuse_p)
     if sums:
         tw.write_sums(out)
     _log(f"toy world written to {out} in {time.time() - t0:.0f} s")
@@ -525,20 +557,48 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--unet_steps", type=int, default=UNET_STEPS)
     parser.add_argument("--sd3_steps", type=int, default=SD3_STEPS)
     parser.add_argument(
+        "--confuse_p",
+        type=float,
+        default=CONFUSE_P,
+        help="How often a training caption names the partner colour (the base's imperfection; README, The toy world).",
+    )
+    committed = str(tw.DATA_DIR / tw.SD_DIRNAME)
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--sd3_from",
         metavar="TOY_SD_DIR",
         nargs="?",
-        const=str(tw.DATA_DIR / tw.SD_DIRNAME),
+        const=committed,
         help="Build only OUT/toy-sd3/, on the VAE of this toy SD 1.x folder (without a value: the committed one, "
         "toy_world.DATA_DIR/toy-sd); OUT/SHA256SUMS is rewritten over what OUT then holds.",
     )
+    only.add_argument(
+        "--unet_from",
+        metavar="TOY_SD_DIR",
+        nargs="?",
+        const=committed,
+        help="Build only OUT/toy-sd/: a fresh UNet on the VAE and text encoder of this toy SD 1.x folder (without a "
+        "value: the committed one); OUT/SHA256SUMS is rewritten over what OUT then holds.",
+    )
     parser.add_argument("--report", action="store_true", help="Also print the base models' judged accuracy.")
     args = parser.parse_args(argv)
+    if not 0 <= args.confuse_p <= 1:
+        parser.error(f"--confuse_p must be a probability in [0, 1], got {args.confuse_p}")
     if args.sd3_from:
-        models = [build_toy_sd3(args.out, args.sd3_from, args.seed, args.sd3_steps)]
+        models = [build_toy_sd3(args.out, args.sd3_from, args.seed, args.sd3_steps, args.confuse_p)]
+        tw.write_sums(Path(args.out))
+    elif args.unet_from:
+        models = [build_toy_sd(args.out, args.unet_from, args.seed, args.unet_steps, args.confuse_p)]
         tw.write_sums(Path(args.out))
     else:
-        sd = build_toy_world(args.out, args.seed, args.unet_steps, sums=True, sd3_steps=args.sd3_steps)
+        sd = build_toy_world(
+            args.out,
+            args.seed,
+            args.unet_steps,
+            sums=True,
+            sd3_steps=args.sd3_steps,
+            confuse_p=args.confuse_p,
+        )
         models = [sd, Path(args.out) / tw.SD3_DIRNAME]
     if args.report:
         for model in models:

@@ -213,3 +213,64 @@ def test_base_model_is_deliberately_imperfect():
     res = tw.judge(images, prompts)
     assert 0.2 <= res["accuracy"] <= 0.7, res["accuracy"]
     assert res["dirty_mean"] < 0.35
+
+
+def test_captions_confuse_partner_colours_at_the_asked_rate():
+    """The base's imperfection: `_captions` names the partner colour with probability `confuse_p`, drawing the same
+    random numbers whatever `confuse_p` is (so the default build stays the committed one)."""
+    from refl_ddpo import toy_build as tb
+
+    prompts = [tw.PROMPTS[i % len(tw.PROMPTS)] for i in range(2000)]
+    names = list(tw.PROMPTS) + [""]
+
+    def swapped(p):
+        g = torch.Generator().manual_seed(0)
+        idx = tb._captions(prompts, g, p)
+        pairs = [(q, names[i]) for q, i in zip(prompts, idx.tolist()) if names[i]]
+        partner = [f"a {tb.CONFUSABLE[tw.parse_prompt(q)[0]]} {tw.parse_prompt(q)[1]}" for q, _ in pairs]
+        assert all(c in (q, o) for (q, c), o in zip(pairs, partner))
+        return sum(c == o for (_, c), o in zip(pairs, partner)) / len(pairs), torch.rand(1, generator=g)
+
+    (none, after0), (half, after5), (all_, after1) = swapped(0.0), swapped(tb.CONFUSE_P), swapped(1.0)
+    assert none == 0.0 and all_ == 1.0 and abs(half - tb.CONFUSE_P) < 0.04
+    assert after0 == after5 == after1
+
+
+def test_build_unet_from_a_folder(tmp_path):
+    """`toy_build OUT --unet_from --confuse_p P` trains only a fresh UNet on the committed VAE and text encoder (2
+    steps here) and writes a loadable OUT/toy-sd/ with its checksums; a bad probability is a one-line error that
+    writes nothing."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refl_ddpo.toy_build",
+            str(tmp_path / "bad"),
+            "--unet_from",
+            "--confuse_p",
+            "1.5",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "--confuse_p" in bad.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "bad").exists()
+
+    from refl_ddpo import toy_build as tb
+
+    tb.main([str(tmp_path), "--unet_from", "--unet_steps", "2", "--confuse_p", "0.3"])
+    out = tmp_path / tw.SD_DIRNAME
+    assert len(tw.verify_sums(tmp_path)) == 10  # toy-sd/'s files, listed and matching
+
+    def same(name):
+        ours, committed = load_file(out / name), load_file(SD / name)
+        return ours.keys() == committed.keys() and all(torch.equal(ours[k], committed[k]) for k in ours)
+
+    assert same("vae/diffusion_pytorch_model.safetensors")
+    assert not same("unet/diffusion_pytorch_model.safetensors")
