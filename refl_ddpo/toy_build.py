@@ -5,6 +5,8 @@ refl_ddpo.toy_world). Slow: about 35 minutes on one core (VAE 6, UNet 10, classi
 
     python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
     python -m refl_ddpo.toy_build OUT --sd3_from [TOY_SD_DIR]   # only OUT/toy-sd3/ (+ sums); default: the committed toy-sd
+    python -m refl_ddpo.toy_build OUT --unet_from [TOY_SD_DIR]  # only OUT/toy-sd/ with a fresh UNet (+ sums)
+    ... --confuse_p P   # a variant world: partner colours confused with probability P (README, The toy world)
 
 Models:
     VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
