@@ -262,9 +262,22 @@ def test_build_unet_from_a_folder(tmp_path):
     assert bad.returncode != 0 and "--confuse_p" in bad.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "bad").exists()
 
-    from refl_ddpo import toy_build as tb
-
-    tb.main([str(tmp_path), "--unet_from", "--unet_steps", "2", "--confuse_p", "0.3"])
+    # in a subprocess: the build switches torch to deterministic algorithms on one thread, for the whole process
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refl_ddpo.toy_build",
+            str(tmp_path),
+            "--unet_from",
+            "--unet_steps",
+            "2",
+            "--confuse_p",
+            "0.3",
+        ],
+        check=True,
+        capture_output=True,
+    )
     out = tmp_path / tw.SD_DIRNAME
     assert len(tw.verify_sums(tmp_path)) == 10  # toy-sd/'s files, listed and matching
 
