@@ -1,7 +1,7 @@
 """Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
 `torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
 differ in the last bits, which is why the built weights are committed (toy_world.DATA_DIR, see
-refl_ddpo.toy_world). Slow: about 35 minutes on one core (VAE 6, UNet 10, classifier 5-9, MMDiT 12-15).
+refl_ddpo.toy_world). Slow: about 25-30 minutes on one core (VAE 6, UNet 7-8, classifier 5-9, MMDiT 6-7).
 
     python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
     python -m refl_ddpo.toy_build OUT --sd3_from [TOY_SD_DIR]   # only OUT/toy-sd3/ (+ sums); default: the committed toy-sd
