@@ -7,6 +7,12 @@
                       differentiable. Reads <model_dir>/toy_classifier.{safetensors,json}, written by
                       `python -m refl_ddpo.tiny OUT --toy_world`. Images of another size are resized to 32 x 32
                       (bilinear, antialiased: differentiable).
+    toy_clean         the judge's cleanliness, softened to be differentiable: the mean over pixels of
+                      sigmoid((CLEAN_THRESHOLD - d) / CLEAN_SOFTNESS), d the distance (0..255, RGB L2) to the nearest
+                      allowed colour: background grey or the prompt's colour inside the frame, grey only on its
+                      1-pixel border ring. 1 for a rendered image; blotches of other colours, a tinted background
+                      and a frame filled with the colour lower it. DESIGN's "background term" against the reward
+                      hacking of a colour reward: `--reward toy_classifier:1,toy_clean:1`.
 
 Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """
@@ -53,5 +59,30 @@ def toy_classifier(
         p_colour = (logits_c.float() / temperature).softmax(-1).gather(1, colour_idx[:, None])[:, 0]
         p_shape = (logits_s.float() / temperature).softmax(-1).gather(1, shape_idx[:, None])[:, 0]
         return (p_colour * p_shape).float(), {"p_colour": p_colour.detach(), "p_shape": p_shape.detach()}
+
+    return reward_fn
+
+
+# d = CLEAN_THRESHOLD scores 0.5; d 20 levels nearer scores 0.88, 20 farther 0.12.
+CLEAN_SOFTNESS = 10.0
+
+
+def toy_clean(
+    device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
+):
+    grey = torch.tensor(toy_world.BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    palette = toy_world._PALETTE.to(device)
+
+    def reward_fn(images, prompts, metadata):
+        colour_idx, _ = toy_world.prompt_indices(list(prompts))
+        x = images.to(device=device, dtype=torch.float32) * 255
+        target = palette[colour_idx.to(device)].view(-1, 3, 1, 1)
+        d_grey = (x - grey).square().sum(1).add(1e-6).sqrt()
+        d_target = (x - target).square().sum(1).add(1e-6).sqrt()
+        ring = torch.ones(x.shape[-2:], dtype=torch.bool, device=device)
+        ring[1:-1, 1:-1] = False
+        d = torch.where(ring, d_grey, torch.minimum(d_grey, d_target))
+        clean = torch.sigmoid((toy_world.CLEAN_THRESHOLD - d) / softness).mean(dim=(1, 2))
+        return clean, {}
 
     return reward_fn
