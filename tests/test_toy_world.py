@@ -199,21 +199,18 @@ def test_toy_clean_is_the_judges_cleanliness_made_differentiable():
     assert clean.shape == (72,) and (clean > 0.97).all()
     wrong = [f"a {tw.parse_prompt(tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18])[0]} circle" for p in prompts]
     assert (fn(x, wrong, [{}] * 72)[0] < clean - 0.02).all()  # the shape's pixels are not the asked colour
-    tinted = (x + torch.tensor([0.3, 0.3, 0.0]).view(1, 3, 1, 1)).clamp(
-        0, 1
-    )  # background 128 -> 205, 205, 128
+    # a tinted background: grey 128 -> (205, 205, 128)
+    tinted = (x + torch.tensor([0.3, 0.3, 0.0]).view(1, 3, 1, 1)).clamp(0, 1)
     assert (fn(tinted, prompts, [{}] * 72)[0] < 0.5).all()
     target = torch.tensor([tw.COLOURS[tw.parse_prompt(p)[0]] for p in prompts]).float() / 255
-    filled = target.view(72, 3, 1, 1).expand(
-        72, 3, tw.SIZE, tw.SIZE
-    )  # the frame filled with the asked colour
+    # the frame filled with the asked colour: clean inside, not on the border ring
+    filled = target.view(72, 3, 1, 1).expand(72, 3, tw.SIZE, tw.SIZE)
     ring = 4 * (tw.SIZE - 1) / tw.SIZE**2
     assert torch.allclose(fn(filled, prompts, [{}] * 72)[0], torch.tensor(1 - ring), atol=0.01)
     blank = torch.full((1, 3, tw.SIZE, tw.SIZE), 128 / 255)
     assert fn(blank, ["a red circle"], [{}])[0].item() > 0.99  # a term against dirt, not a reward on its own
-    blotchy = torch.rand(4, 3, tw.SIZE, tw.SIZE, generator=torch.Generator().manual_seed(0)).requires_grad_(
-        True
-    )
+    g = torch.Generator().manual_seed(0)
+    blotchy = torch.rand(4, 3, tw.SIZE, tw.SIZE, generator=g).requires_grad_(True)
     both = build_reward("toy_classifier:1,toy_clean:0.2", "cpu", model_dir=str(tw.DATA_DIR))
     r, info = both(blotchy, prompts[:4], [{}] * 4)
     assert both.differentiable and torch.allclose(r, info["toy_classifier"] + 0.2 * info["toy_clean"])

@@ -11,8 +11,9 @@
                       sigmoid((CLEAN_THRESHOLD - d) / CLEAN_SOFTNESS), d the distance (0..255, RGB L2) to the nearest
                       allowed colour: background grey or the prompt's colour inside the frame, grey only on its
                       1-pixel border ring. 1 for a rendered image; blotches of other colours, a tinted background
-                      and a frame filled with the colour lower it. DESIGN's "background term" against the reward
-                      hacking of a colour reward: `--reward toy_classifier:1,toy_clean:1`.
+                      and a colour on the border lower it; a blank grey image scores 1 too, so it is a term to add,
+                      not a reward on its own. DESIGN's "background term" against the reward hacking of a colour
+                      reward: `--reward toy_classifier:1,toy_clean:0.2` (measured in the README, "The toy world").
 
 Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """
@@ -71,7 +72,7 @@ def toy_clean(
     device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
 ):
     grey = torch.tensor(toy_world.BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1)
-    palette = toy_world._PALETTE.to(device)
+    palette = torch.tensor(list(toy_world.COLOURS.values()), dtype=torch.float32, device=device)
 
     def reward_fn(images, prompts, metadata):
         colour_idx, _ = toy_world.prompt_indices(list(prompts))
