@@ -33,16 +33,25 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS: dict[str, tuple[str, list[str], list[str], str]] = {
     "ddpo": (
         "train_ddpo.sh",
-        ["--num_epochs", "64"],
+        ["--num_epochs", "64", "--prompt_fn", "toy_world_train"],
         ["--save_freq", "16"],
         (
-            "DDPO, the toy_world preset run 4x longer (64 epochs of 64 images, batch-normalised advantages, the "
-            "first 4 of 6 steps trained)"
+            "DDPO, the toy_world preset on all 12 training prompts run 4x longer (64 epochs of 64 images, "
+            "batch-normalised advantages, the first 4 of 6 steps trained)"
         ),
     ),
     "grpo_window": (
         "train_grpo.sh",
-        ["--num_epochs", "64", "--sde_window", "2", "--sde_window_start", "0"],
+        [
+            "--num_epochs",
+            "64",
+            "--sde_window",
+            "2",
+            "--sde_window_start",
+            "0",
+            "--prompt_fn",
+            "toy_world_train",
+        ],
         ["--save_freq", "16"],
         "GRPO, groups of 8 with one x_T each, only the first 2 steps stochastic and trained (Flow-GRPO-Fast's window)",
     ),

@@ -54,6 +54,11 @@ PROMPTS: tuple[str, ...] = tuple(f"a {c} {s}" for c in COLOURS for s in SHAPES)
 # Held out: colour i with shape (i + 1) % 3 -> each colour once, each shape twice.
 HELDOUT_PROMPTS: tuple[str, ...] = tuple(f"a {c} {SHAPES[(i + 1) % 3]}" for i, c in enumerate(COLOURS))
 TRAIN_PROMPTS: tuple[str, ...] = tuple(p for p in PROMPTS if p not in HELDOUT_PROMPTS)
+# The policy-gradient presets train on one colour word (README, "The toy world"): green's two training prompts
+# (data/toy_world_green.txt); "a green triangle" is held out.
+PG_COLOUR = "green"
+PG_TRAIN_PROMPTS: tuple[str, ...] = tuple(p for p in TRAIN_PROMPTS if p.split()[1] == PG_COLOUR)
+PG_HELDOUT_PROMPTS: tuple[str, ...] = tuple(p for p in HELDOUT_PROMPTS if p.split()[1] == PG_COLOUR)
 
 SHAPE_THRESHOLD = 40.0
 MIN_SHAPE_PIXELS = 8
@@ -316,6 +321,8 @@ def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path |
 
 
 EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1016))  # fixed seeds for before/after on the held-out prompts
+# the policy-gradient tests judge one held-out prompt, so on more seeds (one standard error <= 0.063)
+PG_EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1064))
 
 
 def evaluate(
@@ -341,7 +348,12 @@ def evaluate(
     }
 
 
-def evaluate_model(model: str | Path | None = None, lora_dir: str | Path | None = None) -> dict[str, float]:
+def evaluate_model(
+    model: str | Path | None = None,
+    lora_dir: str | Path | None = None,
+    prompts: tuple[str, ...] | list[str] = HELDOUT_PROMPTS,
+    seeds=EVAL_SEEDS,
+) -> dict[str, float]:
     """`evaluate` of a model folder (default: the committed toy-sd) plus a LoRA folder, at the evaluation defaults:
     DDIM eta 0 on SD 1.x, the folder's flow-matching scheduler on SD3."""
     from refl_ddpo.families import load_family
@@ -352,11 +364,12 @@ def evaluate_model(model: str | Path | None = None, lora_dir: str | Path | None 
         family.pipe.scheduler = family.scheduler("DDIMScheduler")
     if lora_dir is not None:
         load_lora_into_pipeline(family.pipe, str(lora_dir))
-    return evaluate(family)
+    return evaluate(family, prompts, seeds)
 
 
 def judge_run(run_dir: str | Path) -> dict[str, float]:
-    """Colour accuracy and dirty fraction of an inference run folder (its scores.json records and PNGs)."""
+    """Colour accuracy, dirty and grey fractions of an inference run folder (its scores.json records and PNGs), and
+    `by_prompt`: {prompt: (right, images)} in the run's order."""
     import numpy as np
     from PIL import Image
 
@@ -367,8 +380,13 @@ def judge_run(run_dir: str | Path) -> dict[str, float]:
             images.append(torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1))
         prompts.append(record["prompt"])
     result = judge(torch.stack(images).float() / 255, prompts)
+    by_prompt: dict[str, tuple[int, int]] = {}
+    for prompt, ok in zip(prompts, result["colour_ok"].tolist()):
+        right, n = by_prompt.get(prompt, (0, 0))
+        by_prompt[prompt] = (right + int(ok), n + 1)
     return {
         "images": len(prompts),
+        "by_prompt": by_prompt,
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
         "grey": float(result["grey"].mean()),
@@ -387,8 +405,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     for run_dir in parser.parse_args(argv).runs:
         r = judge_run(run_dir)
+        by_prompt = ", ".join(f"{p} {right}/{n}" for p, (right, n) in r["by_prompt"].items())
         print(
-            f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f}"
+            f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f} "
+            f"({by_prompt})"
         )
 
 

@@ -453,6 +453,10 @@ def test_flow_grpo_preset_and_flags():
     assert (
         toy.same_noise_per_group and toy.reward == "toy_color_match" and toy.output_dir.endswith("grpo_lora")
     )
+    assert toy.prompt_fn == "toy_world_green" and toy.pretrained_model.endswith("toy-sd")
+    toy3 = _parse(["--preset", "toy_world_sd3"])
+    assert toy3.pretrained_model.endswith("toy-sd3") and toy3.prompt_fn == "toy_world_green"
+    assert (toy3.sample_eta, toy3.lora_target_modules) == (0.7, ["add_k_proj", "add_v_proj"])
 
 
 # ---- the shell script end to end ----

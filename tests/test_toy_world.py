@@ -38,6 +38,9 @@ def test_palette_and_grammar():
     data = tw.DATA_DIR.parent
     assert (data / "toy_world_train.txt").read_text().split("\n")[:12] == list(tw.TRAIN_PROMPTS)
     assert (data / "toy_world_heldout.txt").read_text().split("\n")[:6] == list(tw.HELDOUT_PROMPTS)
+    assert (data / "toy_world_green.txt").read_text().split("\n")[:2] == list(tw.PG_TRAIN_PROMPTS)
+    assert tw.PG_TRAIN_PROMPTS == ("a green circle", "a green square")
+    assert tw.PG_HELDOUT_PROMPTS == ("a green triangle",)
     assert tw.parse_prompt("a cyan triangle") == ("cyan", "triangle")
     for bad in ("a purple circle", "a red hexagon", "red circle", "a big red circle", ""):
         with pytest.raises(UserError) as e:
@@ -74,6 +77,26 @@ def test_judge_on_rendered_wrong_colour_and_tinted_background():
     assert res["accuracy"] == 1.0 and res["dirty_mean"] > 0.4
     blank = torch.full((2, 3, 32, 32), 0.5)
     assert not tw.judge(blank, ["a red circle", "a blue square"])["colour_ok"].any()
+
+
+def test_judging_a_run_folder_counts_right_images_per_prompt(tmp_path, capsys):
+    import json
+
+    from PIL import Image
+
+    prompts = ["a red circle", "a red circle", "a green square"]
+    images = tw.render_prompts(prompts, torch.Generator().manual_seed(0))  # uint8 (3, 3, 32, 32)
+    records = []
+    for i, (image, prompt) in enumerate(zip(images, prompts)):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / f"{i}.png")
+        # the second red circle is judged against the wrong colour
+        records.append({"file": f"{i}.png", "prompt": "a blue circle" if i == 1 else prompt})
+    (tmp_path / "scores.json").write_text(json.dumps({"records": records}))
+    r = tw.judge_run(tmp_path)
+    assert r["by_prompt"] == {"a red circle": (1, 1), "a blue circle": (0, 1), "a green square": (1, 1)}
+    assert r["images"] == 3 and r["accuracy"] == pytest.approx(2 / 3)
+    tw.main([str(tmp_path)])
+    assert "colour accuracy 66.7% of 3 images" in capsys.readouterr().out
 
 
 def test_grey_fraction_sees_a_shape_grown_to_fill_the_frame():

@@ -32,7 +32,8 @@ HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
 echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
 bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora" --overwrite_output_dir
 
-echo "== DDPO (LoRA) on the programmatic colour reward"
+echo "== DDPO (LoRA) on the programmatic colour reward, the colour word green alone ('a green circle', 'a green square';"
+echo "   'a green triangle' is held out; it also turns the partner word's 'a yellow square' green)"
 bash train_scripts/train_ddpo.sh --preset toy_world --device cpu --output_dir "$OUT/ddpo_lora" --overwrite_output_dir
 
 echo "== before / after on the held-out prompts: the same prompts and seeds"

@@ -33,10 +33,14 @@ class DDPOConfig(CommonConfig):
         "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server).",
         group="reward and prompts",
     )
-    prompt_fn: Literal["imagenet_animals", "simple_animals", "toy_world_train", "from_file"] | None = field_(
+    prompt_fn: (
+        Literal["imagenet_animals", "simple_animals", "toy_world_train", "toy_world_green", "from_file"]
+        | None
+    ) = field_(
         None,
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
-        "animals), toy_world_train (the toy world's 12 training prompts) or from_file (--prompts_file); default "
+        "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green (its 2 training prompts "
+        "of the colour green) or from_file (--prompts_file); default "
         "from_file when --prompts_file is given, else "
         "imagenet_animals.",
     )
@@ -317,17 +321,16 @@ _COMPRESSIBILITY = {
     "per_prompt_stat_tracking_min_count": 16,
 }
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world): its committed model, the 12 training prompts, the programmatic colour
-    # reward. NOT A RECIPE THAT LEARNS: in ~2.5 CPU minutes held-out colour accuracy stays near the base or falls
-    # (base 0.42; 0.46 / 0.42 / 0.42 over seeds 42, 1, 2; 0.30 / 0.40 / 0.44 over seeds 0-2), and 4x longer it ends at
-    # 0.20 / 0.47 / 0.46 (benchmarks/time_to_reward.py): a per-sample gradient needs thousands of images to stand
-    # above its noise here, an epoch has 64 (README, "The toy world"). It trains the cross-attention keys / values on
-    # the first 4 of 6 steps, where the colour is decided.
+    # The toy world (refl_ddpo.toy_world): its committed model, the programmatic colour reward, and the colour word
+    # green alone (toy_world_green: "a green circle", "a green square"; "a green triangle" is held out). It learns in
+    # 3 CPU minutes (README, "The toy world": MEASURED); it also draws the partner word's prompts green. On all 12
+    # training prompts a policy gradient needs ~10^4 images here: partner colours' gradients cancel but for their
+    # difference. It trains the cross-attention keys / values on the first 4 of 6 steps, where the colour is decided.
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
         "reward_model_dir": str(TOY_WORLD_DIR),
         "reward": "toy_color_match",
-        "prompt_fn": "toy_world_train",
+        "prompt_fn": "toy_world_green",
         "resolution": 32,
         "sample_num_steps": 6,
         "sample_guidance_scale": 7.5,
@@ -339,7 +342,7 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
         "train_skip_last_steps": 2,
         "train_clip_range": 0.2,
         "lora_target_modules": ["attn2.to_k", "attn2.to_v"],
-        "learning_rate": 3e-3,
+        "learning_rate": 2e-3,  # 3e-3 learned faster on 4 of 5 seeds but collapsed on one (dirty images)
         "per_prompt_stat_tracking": False,
         "num_epochs": 16,
         "save_freq": 8,

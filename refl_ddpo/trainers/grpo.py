@@ -1,7 +1,7 @@
 """GRPO (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470; DanceGRPO, Xue et al. 2025) with LoRA: DDPO's loop
 (refl_ddpo.trainers.ddpo) run with a `GRPOConfig`.
 
-    bash train_scripts/train_grpo.sh [--preset toy_world|flow_grpo_sd35m] [--flag ...]
+    bash train_scripts/train_grpo.sh [--preset toy_world|toy_world_sd3|flow_grpo_sd35m] [--flag ...]
 
 What differs from DDPO, per epoch:
 
