@@ -3,18 +3,14 @@ through the last 3 steps, the final image scored) through the shell script with 
 accuracy of fixed-seed images of HELD-OUT prompts. A file of its own, so that pytest-xdist (--dist loadfile) runs it
 beside the ReFL learning test."""
 
-import pytest
-import torch
-from test_toy_learning import _check_only_the_lora_changed, _train, check_no_frame_filling, held_out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
+from test_toy_learning import (  # noqa: F401
+    _check_only_the_lora_changed,
+    _one_thread,
+    _train,
+    check_no_frame_filling,
+    held_out,
+)
 
 # 80 optimizer steps at lr 2e-3 (half the preset's steps, twice its rate): a DRaFT-3 step costs about twice a ReFL
 # step (all 10 steps sampled, 3 backpropagated with their network calls recomputed)

@@ -3,19 +3,10 @@
 the HELD-OUT prompt "a green triangle" (the preset trains on the colour word green alone; README, "The toy world").
 A file of its own, so that pytest-xdist (--dist loadfile) runs it beside the other learning tests."""
 
-import pytest
-import torch
-from test_toy_learning import _check_only_the_lora_changed, _train
+# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
+from test_toy_learning import _check_only_the_lora_changed, _one_thread, _train  # noqa: F401
 
 from refl_ddpo import toy_world
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def held_out_green(lora_dir=None) -> dict[str, float]:
