@@ -84,6 +84,7 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     "toy_world_heldout": _builtin("toy_world_heldout"),  # its 6 held-out prompts (evaluation only)
     # one colour word's 2 training prompts (a green circle / square; the policy-gradient presets, README)
     "toy_world_green": _builtin("toy_world_green"),
+    "toy_world_cyan": _builtin("toy_world_cyan"),  # a cyan square / triangle (the toy-sd3 presets)
 }
 
 

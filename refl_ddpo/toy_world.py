@@ -54,11 +54,22 @@ PROMPTS: tuple[str, ...] = tuple(f"a {c} {s}" for c in COLOURS for s in SHAPES)
 # Held out: colour i with shape (i + 1) % 3 -> each colour once, each shape twice.
 HELDOUT_PROMPTS: tuple[str, ...] = tuple(f"a {c} {SHAPES[(i + 1) % 3]}" for i, c in enumerate(COLOURS))
 TRAIN_PROMPTS: tuple[str, ...] = tuple(p for p in PROMPTS if p not in HELDOUT_PROMPTS)
-# The policy-gradient presets train on one colour word (README, "The toy world"): green's two training prompts
-# (data/toy_world_green.txt); "a green triangle" is held out.
-PG_COLOUR = "green"
-PG_TRAIN_PROMPTS: tuple[str, ...] = tuple(p for p in TRAIN_PROMPTS if p.split()[1] == PG_COLOUR)
-PG_HELDOUT_PROMPTS: tuple[str, ...] = tuple(p for p in HELDOUT_PROMPTS if p.split()[1] == PG_COLOUR)
+
+
+def word_prompts(colour: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """One colour word's training prompts (2) and held-out prompt (1)."""
+    return tuple(p for p in TRAIN_PROMPTS if p.split()[1] == colour), tuple(
+        p for p in HELDOUT_PROMPTS if p.split()[1] == colour
+    )
+
+
+# The policy-gradient presets train on one colour word (README, "The toy world"): on toy-sd green's two training
+# prompts (data/toy_world_green.txt), "a green triangle" held out. The toy-sd3 presets train cyan
+# (data/toy_world_cyan.txt), "a cyan circle" held out: toy-sd3 draws the green prompts green 1 time in 8, so most
+# groups of 8 have all-equal rewards and nothing to learn from.
+PG_COLOUR, SD3_COLOUR = "green", "cyan"
+PG_TRAIN_PROMPTS, PG_HELDOUT_PROMPTS = word_prompts(PG_COLOUR)
+SD3_TRAIN_PROMPTS, SD3_HELDOUT_PROMPTS = word_prompts(SD3_COLOUR)
 
 SHAPE_THRESHOLD = 40.0
 MIN_SHAPE_PIXELS = 8

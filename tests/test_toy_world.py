@@ -41,6 +41,9 @@ def test_palette_and_grammar():
     assert (data / "toy_world_green.txt").read_text().split("\n")[:2] == list(tw.PG_TRAIN_PROMPTS)
     assert tw.PG_TRAIN_PROMPTS == ("a green circle", "a green square")
     assert tw.PG_HELDOUT_PROMPTS == ("a green triangle",)
+    assert (data / "toy_world_cyan.txt").read_text().split("\n")[:2] == list(tw.SD3_TRAIN_PROMPTS)
+    assert tw.SD3_TRAIN_PROMPTS == ("a cyan square", "a cyan triangle")
+    assert tw.SD3_HELDOUT_PROMPTS == ("a cyan circle",)
     assert tw.parse_prompt("a cyan triangle") == ("cyan", "triangle")
     for bad in ("a purple circle", "a red hexagon", "red circle", "a big red circle", ""):
         with pytest.raises(UserError) as e:

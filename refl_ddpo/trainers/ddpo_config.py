@@ -34,13 +34,20 @@ class DDPOConfig(CommonConfig):
         group="reward and prompts",
     )
     prompt_fn: (
-        Literal["imagenet_animals", "simple_animals", "toy_world_train", "toy_world_green", "from_file"]
+        Literal[
+            "imagenet_animals",
+            "simple_animals",
+            "toy_world_train",
+            "toy_world_green",
+            "toy_world_cyan",
+            "from_file",
+        ]
         | None
     ) = field_(
         None,
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
-        "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green (its 2 training prompts "
-        "of the colour green) or from_file (--prompts_file); default "
+        "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green / toy_world_cyan (its 2 "
+        "training prompts of one colour word) or from_file (--prompts_file); default "
         "from_file when --prompts_file is given, else "
         "imagenet_animals.",
     )
