@@ -455,7 +455,7 @@ def test_flow_grpo_preset_and_flags():
     )
     assert toy.prompt_fn == "toy_world_green" and toy.pretrained_model.endswith("toy-sd")
     toy3 = _parse(["--preset", "toy_world_sd3"])
-    assert toy3.pretrained_model.endswith("toy-sd3") and toy3.prompt_fn == "toy_world_green"
+    assert toy3.pretrained_model.endswith("toy-sd3") and toy3.prompt_fn == "toy_world_cyan"
     assert (toy3.sample_eta, toy3.lora_target_modules) == (0.7, ["add_k_proj", "add_v_proj"])
 
 
