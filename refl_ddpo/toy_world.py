@@ -15,6 +15,9 @@ The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds 
     grey           fraction of pixels within CLEAN_THRESHOLD of the nominal background grey. A shape 10-24 pixels
                    across leaves most of the frame grey; a model that pleases a colour reward by filling the frame
                    with the colour lowers it while `dirty` stays low (seen with ReFL on toy-sd3 at lr 1e-2).
+    ragged         fraction of the shape pixels that have a non-shape pixel among their 8 neighbours: about 0.31 on
+                   average for rendered shapes (0.09 for the largest, 0.64 for the smallest), about 0.5 for shapes
+                   broken into squiggles and specks (seen with ReFL on toy-sd3), which `dirty` and `grey` miss.
 
 The base models are deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): their training
 captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so they draw
@@ -162,7 +165,7 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
 
     Returns per-image tensors `colour_ok` (bool), `nearest` (palette index of the shape's mean colour, -1 when
     there is no shape), `shape_pixels` (count), `mean_colour` (B, 3, 0..255), `dirty` (fraction), `grey`
-    (fraction), and the means `accuracy` and `dirty_mean` (floats)."""
+    (fraction), `ragged` (fraction, 0 without shape pixels), and the means `accuracy` and `dirty_mean` (floats)."""
     x = _to_255(images).cpu()
     b, _, h, w = x.shape
     colour_idx, _ = prompt_indices(prompts)
@@ -182,6 +185,11 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
     dirty_px = ((x - grey).norm(dim=1) > CLEAN_THRESHOLD) & ((x - target).norm(dim=1) > CLEAN_THRESHOLD)
     dirty = dirty_px.float().mean(dim=(1, 2))
     grey_fraction = ((x - grey).norm(dim=1) <= CLEAN_THRESHOLD).float().mean(dim=(1, 2))
+    # a shape pixel is inside when its whole 3 x 3 neighbourhood (within the image) is shape: min-pool as -max(-m)
+    inside = (
+        -nn.functional.max_pool2d(-shape_mask.float().unsqueeze(1), 3, stride=1, padding=1).squeeze(1) > 0.5
+    )
+    ragged = (shape_mask & ~inside).sum(dim=(1, 2)) / count.clamp(min=1)
     return {
         "colour_ok": colour_ok,
         "nearest": nearest,
@@ -189,6 +197,7 @@ def judge(images: torch.Tensor, prompts: list[str]) -> dict:
         "mean_colour": mean_colour,
         "dirty": dirty,
         "grey": grey_fraction,
+        "ragged": ragged,
         "accuracy": colour_ok.float().mean().item(),
         "dirty_mean": dirty.mean().item(),
     }
@@ -343,7 +352,7 @@ def evaluate(
     num_inference_steps: int = 20,
     guidance_scale: float = 7.5,
 ) -> dict[str, float]:
-    """Colour accuracy, dirty and grey fractions of a model family's images of `prompts` x `seeds` (one CPU generator
+    """Colour accuracy, dirty, grey and ragged fractions of a model family's images of `prompts` x `seeds` (one CPU generator
     per image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching Euler ODE on
     SD3): what the learning tests compare."""
     from refl_ddpo.generate import generate_batch
@@ -356,6 +365,7 @@ def evaluate(
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
         "grey": float(result["grey"].mean()),
+        "ragged": float(result["ragged"].mean()),
     }
 
 
@@ -401,6 +411,7 @@ def judge_run(run_dir: str | Path) -> dict[str, float]:
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
         "grey": float(result["grey"].mean()),
+        "ragged": float(result["ragged"].mean()),
     }
 
 
@@ -418,8 +429,8 @@ def main(argv: list[str] | None = None) -> None:
         r = judge_run(run_dir)
         by_prompt = ", ".join(f"{p} {right}/{n}" for p, (right, n) in r["by_prompt"].items())
         print(
-            f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f} "
-            f"({by_prompt})"
+            f"{run_dir}: colour accuracy {r['accuracy']:.1%} of {r['images']} images, dirty {r['dirty']:.3f}, "
+            f"grey {r['grey']:.3f}, ragged {r['ragged']:.3f} ({by_prompt})"
         )
 
 

@@ -117,6 +117,23 @@ def test_grey_fraction_sees_a_shape_grown_to_fill_the_frame():
     assert res["dirty_mean"] == 0.0 and res["grey"].item() == pytest.approx(0.25)
 
 
+def test_ragged_fraction_sees_a_shape_broken_into_specks():
+    """`ragged` is the fraction of shape pixels on the shape's edge: the perimeter of a filled square, about 0.31 on
+    average over rendered shapes, and 1 for a shape broken into specks that `dirty` and `grey` score like a solid
+    one."""
+    square = torch.full((1, 3, 32, 32), 0.5)
+    red = torch.tensor(tw.COLOURS["red"], dtype=torch.float32).view(1, 3, 1, 1) / 255
+    square[..., 8:24, 8:24] = red
+    assert tw.judge(square, ["a red square"])["ragged"].item() == pytest.approx(60 / 256)
+    images, prompts = tw.random_batch(256, torch.Generator().manual_seed(0))
+    ragged = tw.judge(images, prompts)["ragged"]
+    assert 0.25 < ragged.mean() < 0.35 and ragged.max() < 0.7
+    specks = torch.full((1, 3, 32, 32), 0.5)
+    specks[..., 2:30:2, 2:30:2] = red  # 196 single pixels: about as many as a square 14 pixels across
+    res = tw.judge(specks, ["a red square"])
+    assert res["colour_ok"].item() and res["dirty_mean"] == 0.0 and res["ragged"].item() == 1.0
+
+
 def test_committed_files_match_sha256sums():
     listed = tw.verify_sums(tw.DATA_DIR)
     present = {p.relative_to(tw.DATA_DIR).as_posix() for p in tw.DATA_DIR.rglob("*") if p.is_file()}
