@@ -34,11 +34,13 @@ def held_out(lora_dir: Path | None = None, model: Path = MODEL) -> dict[str, flo
     return toy_world.evaluate_model(model, lora_dir)
 
 
-def check_no_frame_filling(base: dict, after: dict) -> None:
-    """The shapes did not grow to fill the frame (a colour reward can be pleased that way; `dirty` does not see it).
-    Measured, base 0.766: ReFL -> 0.647 / 0.617 / 0.636, DRaFT-3 -> 0.673 / 0.653 / 0.728 (seeds 0-2; the largest
-    drop 0.149, the mean ReFL drop 0.133 with std 0.015); a frame-filling LoRA on toy-sd3 lost 0.22."""
+def check_shapes_kept(base: dict, after: dict) -> None:
+    """The shapes neither grew to fill the frame nor broke into squiggles (a colour reward can be pleased either way;
+    `dirty` sees neither). Grey, measured, base 0.766: ReFL -> 0.647 / 0.617 / 0.636, DRaFT-3 -> 0.673 / 0.653 /
+    0.728 (seeds 0-2; the largest drop 0.149, the mean ReFL drop 0.133 with std 0.015); a frame-filling LoRA on
+    toy-sd3 lost 0.22. Ragged: see RAGGED_RISE."""
     assert after["grey"] >= base["grey"] - GREY_DROP, (base, after)
+    assert after["ragged"] <= base["ragged"] + RAGGED_RISE, (base, after)
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +91,12 @@ def test_refl_raises_held_out_colour_accuracy(tmp_path, base):
     _check_only_the_lora_changed(tmp_path / "refl")
     after = held_out(tmp_path / "refl")
     assert after["accuracy"] - base["accuracy"] >= REFL_MARGIN, (base, after)
-    check_no_frame_filling(base, after)
+    check_shapes_kept(base, after)
 
 
 N_COMMITTED = 26  # files listed in SHA256SUMS: toy-sd/ 10, toy-sd3/ 14, the classifier 2
 GREY_DROP = 0.2  # of the grey fraction
+# of the fraction of shape pixels on the edge. Measured: ReFL 0.350 -> 0.349, DRaFT-3 -> 0.299 (toy-sd, seed 42); on
+# toy-sd3 0.276 -> 0.229-0.262 (ReFL preset, 5 seeds), against 0.425 for a LoRA that drew strokes instead of shapes
+RAGGED_RISE = 0.1
 REFL_MARGIN = 0.12  # measured gains over 5 seeds: +0.25 to +0.42 (mean +0.30, std 0.07)

@@ -281,12 +281,17 @@ REFL_PRESETS: dict[str, dict] = {
         "validation_num_steps": 20,
     },
 }
-# The same world as SD3 (toy-sd3: an MMDiT trained by flow matching; LoRA on the family's targets, the joint blocks'
-# image and text projections): the toy_world recipe with a higher learning rate (1e-3 barely moves it in 160 steps).
-# Not a working recipe yet: held-out gains over seeds 0-3 are +0.17, -0.06, 0.00, -0.02 (README, The toy world).
+# The same world as SD3 (toy-sd3: an MMDiT trained by flow matching), trained on one colour word as the
+# policy-gradient presets are (toy_world_cyan; "a cyan circle" held out), 40 steps, LoRA on the text stream's keys
+# and values only (add_k_proj / add_v_proj, as GRPO's toy_world_sd3). On all 12 training prompts ReFL on toy-sd3
+# learns the combinations it sees or fills the frame; with LoRA on all joint-attention projections it gets the colour
+# right by breaking the shapes into squiggles (toy_world.judge's `ragged`; README, "The toy world").
 REFL_PRESETS["toy_world_sd3"] = {
     **REFL_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
-    "learning_rate": 3e-3,
+    "prompts_file": "toy_world_cyan",
+    "max_train_steps": 40,
+    "validation_steps": 40,
+    "lora_target_modules": ["add_k_proj", "add_v_proj"],
 }
 ReFLConfig.PRESETS = REFL_PRESETS
