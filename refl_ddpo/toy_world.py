@@ -16,8 +16,9 @@ The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds 
                    across leaves most of the frame grey; a model that pleases a colour reward by filling the frame
                    with the colour lowers it while `dirty` stays low (seen with ReFL on toy-sd3 at lr 1e-2).
     ragged         fraction of the shape pixels that have a non-shape pixel among their 8 neighbours: about 0.31 on
-                   average for rendered shapes (0.09 for the largest, 0.64 for the smallest), about 0.5 for shapes
-                   broken into squiggles and specks (seen with ReFL on toy-sd3), which `dirty` and `grey` miss.
+                   average for rendered shapes (0.09 for the largest, 0.64 for the smallest); shapes broken into
+                   strokes and specks raise it (0.276 -> 0.425 with a ReFL LoRA on toy-sd3), which `dirty` misses.
+                   Strokes that reach the border move its median off grey and hide from it; `grey` falls then.
 
 The base models are deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): their training
 captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so they draw
@@ -352,9 +353,9 @@ def evaluate(
     num_inference_steps: int = 20,
     guidance_scale: float = 7.5,
 ) -> dict[str, float]:
-    """Colour accuracy, dirty, grey and ragged fractions of a model family's images of `prompts` x `seeds` (one CPU generator
-    per image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching Euler ODE on
-    SD3): what the learning tests compare."""
+    """Colour accuracy, dirty, grey and ragged fractions of a model family's images of `prompts` x `seeds` (one CPU
+    generator per image, the family's current sampler: deterministic with DDIM eta 0 on SD 1.x, the flow-matching
+    Euler ODE on SD3): what the learning tests compare."""
     from refl_ddpo.generate import generate_batch
 
     all_prompts = [p for p in prompts for _ in seeds]
