@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from refl_ddpo import toy_world
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 
+pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = toy_world.DATA_DIR / toy_world.SD_DIRNAME
 

@@ -4,6 +4,7 @@ accuracy of fixed-seed images of HELD-OUT prompts. A file of its own, so that py
 beside the ReFL learning test."""
 
 # _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
+import pytest
 from test_toy_learning import (  # noqa: F401
     _check_only_the_lora_changed,
     _one_thread,
@@ -11,6 +12,8 @@ from test_toy_learning import (  # noqa: F401
     check_shapes_kept,
     held_out,
 )
+
+pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
 
 # 80 optimizer steps at lr 2e-3 (half the preset's steps, twice its rate): a DRaFT-3 step costs about twice a ReFL
 # step (all 10 steps sampled, 3 backpropagated with their network calls recomputed)

@@ -4,9 +4,12 @@ the HELD-OUT prompt "a green triangle" (the preset trains on the colour word gre
 A file of its own, so that pytest-xdist (--dist loadfile) runs it beside the other learning tests."""
 
 # _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
+import pytest
 from test_toy_learning import _check_only_the_lora_changed, _one_thread, _train  # noqa: F401
 
 from refl_ddpo import toy_world
+
+pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
 
 
 def held_out_green(lora_dir=None) -> dict[str, float]:

@@ -17,6 +17,8 @@ from test_toy_learning import (  # noqa: F401
 
 from refl_ddpo import toy_world
 
+pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
+
 
 def held_out_cyan(lora_dir=None) -> dict[str, float]:
     """Colour accuracy of toy-sd3's held-out prompt of the trained colour on 64 fixed seeds (Euler, 20 steps)."""
