@@ -476,6 +476,10 @@ def test_presets_set_defaults_that_flags_and_config_files_override(tmp_path):
     config.write_text("preset: compressibility\nsave_freq: 7\n")
     cfg = parse_ddpo_config(["--config", str(config), "--num_epochs", "5"])
     assert (cfg.preset, cfg.sample_batch_size, cfg.save_freq, cfg.num_epochs) == ("compressibility", 8, 7, 5)
+    toy3 = parse_ddpo_config(["--preset", "toy_world_sd3"])
+    assert toy3.pretrained_model.endswith("toy-sd3") and toy3.prompt_fn == "toy_world_cyan"
+    assert (toy3.sample_eta, toy3.num_epochs) == (0.7, 16)
+    assert toy3.lora_target_modules == ["add_k_proj", "add_v_proj"]
 
 
 def test_alias_sets_the_ddpo_field():

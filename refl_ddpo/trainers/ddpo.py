@@ -1,6 +1,6 @@
 """DDPO: Denoising Diffusion Policy Optimization (Black et al. 2023) with LoRA, on the shared core.
 
-    bash train_scripts/train_ddpo.sh [--preset compressibility|incompressibility|aesthetic|toy_world] [--flag ...]
+    bash train_scripts/train_ddpo.sh [--preset compressibility|incompressibility|aesthetic|toy_world|toy_world_sd3] [--flag ...]
 
 One epoch (the algorithm of ddpo-pytorch `scripts/train.py`, commit 1958463, written against today's libraries):
 
