@@ -32,18 +32,21 @@ HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
 echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
 bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora" --overwrite_output_dir
 
-echo "== DDPO (LoRA) on the programmatic colour reward, the colour word green alone ('a green circle', 'a green square';"
-echo "   'a green triangle' is held out; it also turns the partner word's 'a yellow square' green)"
-bash train_scripts/train_ddpo.sh --preset toy_world --device cpu --output_dir "$OUT/ddpo_lora" --overwrite_output_dir
+echo "== DDPO (LoRA) on the programmatic colour reward, on toy-sd3 (the same world as an SD3: MMDiT, flow matching),"
+echo "   the colour word cyan alone ('a cyan square', 'a cyan triangle'; 'a cyan circle' is held out)"
+bash train_scripts/train_ddpo.sh --preset toy_world_sd3 --device cpu --output_dir "$OUT/ddpo_lora" --overwrite_output_dir
 
-echo "== before / after on the held-out prompts: the same prompts and seeds"
+echo "== before / after on the held-out prompts (DDPO: its word's held-out prompt on toy-sd3): the same prompts and seeds"
 GEN=(--prompts_file "$HELD_OUT" --num_images_per_prompt 8 --reward_model_dir "$TOY" --device cpu)
 "$PYTHON" inference/inference.py "${GEN[@]}" --pretrained_model "$TOY/toy-sd" --output_dir "$OUT/base"
 "$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/refl_lora" --output_dir "$OUT/refl"
-"$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/ddpo_lora" --output_dir "$OUT/ddpo"
+mkdir -p "$OUT" && echo "a cyan circle" > "$OUT/cyan_held_out.txt"
+GEN_SD3=(--prompts_file "$OUT/cyan_held_out.txt" --num_images_per_prompt 16 --reward_model_dir "$TOY" --device cpu)
+"$PYTHON" inference/inference.py "${GEN_SD3[@]}" --pretrained_model "$TOY/toy-sd3" --output_dir "$OUT/base_sd3"
+"$PYTHON" inference/inference_lora.py "${GEN_SD3[@]}" --lora_dir "$OUT/ddpo_lora" --output_dir "$OUT/ddpo"
 "$PYTHON" inference/compare.py "$OUT/base" "$OUT/refl" --out "$OUT/compare_refl"
-"$PYTHON" inference/compare.py "$OUT/base" "$OUT/ddpo" --out "$OUT/compare_ddpo"
-"$PYTHON" -m refl_ddpo.toy_world "$OUT/base" "$OUT/refl" "$OUT/ddpo"
+"$PYTHON" inference/compare.py "$OUT/base_sd3" "$OUT/ddpo" --out "$OUT/compare_ddpo"
+"$PYTHON" -m refl_ddpo.toy_world "$OUT/base" "$OUT/refl" "$OUT/base_sd3" "$OUT/ddpo"
 
 echo "== done. Look at $OUT/compare_refl/compare.png and $OUT/compare_ddpo/compare.png (before | after), and"
 echo "   tensorboard --logdir $OUT"
