@@ -3,8 +3,9 @@ through the last 3 steps, the final image scored) through the shell script with 
 accuracy of fixed-seed images of HELD-OUT prompts. A file of its own, so that pytest-xdist (--dist loadfile) runs it
 beside the ReFL learning test."""
 
-# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
 import pytest
+
+# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
 from test_toy_learning import (  # noqa: F401
     _check_only_the_lora_changed,
     _one_thread,

@@ -3,8 +3,9 @@
 the HELD-OUT prompt "a green triangle" (the preset trains on the colour word green alone; README, "The toy world").
 A file of its own, so that pytest-xdist (--dist loadfile) runs it beside the other learning tests."""
 
-# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
 import pytest
+
+# _one_thread: test_toy_learning's autouse fixture (one torch thread in this module), imported to apply here too
 from test_toy_learning import _check_only_the_lora_changed, _one_thread, _train  # noqa: F401
 
 from refl_ddpo import toy_world
