@@ -16,7 +16,6 @@ torch.set_num_threads(1)
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones
 # (pyproject's --no-loadscope-reorder keeps this order: xdist would otherwise start the files with the most tests).
 LONG_FIRST = (
-    "test_toy_learning_ddpo",
     "test_toy_learning_sd3",
     "test_toy_learning_grpo",
     "test_toy_learning",
