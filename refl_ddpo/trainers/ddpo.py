@@ -1,6 +1,7 @@
 """DDPO: Denoising Diffusion Policy Optimization (Black et al. 2023) with LoRA, on the shared core.
 
-    bash train_scripts/train_ddpo.sh [--preset compressibility|incompressibility|aesthetic|toy_world|toy_world_sd3] [--flag ...]
+    bash train_scripts/train_ddpo.sh [--preset NAME] [--flag ...]
+    (presets: compressibility, incompressibility, aesthetic, prompt_image_alignment, toy_world, toy_world_sd3)
 
 One epoch (the algorithm of ddpo-pytorch `scripts/train.py`, commit 1958463, written against today's libraries):
 

@@ -23,8 +23,8 @@ class DDPOConfig(CommonConfig):
     preset: str | None = field_(
         None,
         "A recipe as defaults (ddpo-pytorch's config/dgx.py experiments, or toy_world / toy_world_sd3); --config and "
-        "flags override it. prompt_image_alignment asks a VLM on an OpenAI-compatible server (OPENAI_BASE_URL) to describe each "
-        "image and rewards the BERTScore recall of the prompt (reward vlm_bertscore).",
+        "flags override it. prompt_image_alignment asks a VLM on an OpenAI-compatible server (OPENAI_BASE_URL) to "
+        "describe each image and rewards the BERTScore recall of the prompt (reward vlm_bertscore).",
         group="recipe",
     )
     reward: str = field_(
