@@ -51,6 +51,8 @@ CONFIGS: dict[str, tuple[str, list[str], list[str], str]] = {
             "0",
             "--prompt_fn",
             "toy_world_train",
+            "--reward",  # as measured (the preset has added toy_clean since)
+            "toy_color_match",
         ],
         ["--save_freq", "16"],
         "GRPO, groups of 8 with one x_T each, only the first 2 steps stochastic and trained (Flow-GRPO-Fast's window)",

@@ -451,11 +451,14 @@ def test_flow_grpo_preset_and_flags():
     assert (cfg.kl_weight, cfg.train_timestep_fraction, cfg.per_prompt_stat_tracking) == (0.01, 0.5, False)
     toy = _parse(["--preset", "toy_world"])
     assert (
-        toy.same_noise_per_group and toy.reward == "toy_color_match" and toy.output_dir.endswith("grpo_lora")
+        toy.same_noise_per_group
+        and toy.reward == "toy_color_match:1,toy_clean:1"
+        and toy.output_dir.endswith("grpo_lora")
     )
     assert toy.prompt_fn == "toy_world_green" and toy.pretrained_model.endswith("toy-sd")
     toy3 = _parse(["--preset", "toy_world_sd3"])
     assert toy3.pretrained_model.endswith("toy-sd3") and toy3.prompt_fn == "toy_world_cyan"
+    assert toy3.reward == "toy_color_match"
     assert (toy3.sample_eta, toy3.lora_target_modules) == (0.7, ["add_k_proj", "add_v_proj"])
 
 
