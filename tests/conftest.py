@@ -1,8 +1,17 @@
 import os
+import platform
 import sys
 from pathlib import Path
 
 import pytest
+from learning_cases import NUMERIC_PATHS, NUMERIC_VARS, PINNED_PATH, describe_numeric_path
+
+# The CPU numeric path, before torch computes anything: a test that trains and asserts a direction computes the same
+# bits on every x86-64 CPU (AVX2 for ATen, oneDNN and MKL; tests/learning_cases.py). Setting any of the three
+# variables chooses another path (tests/learning_spread.py measures the proofs under several).
+if platform.machine().lower() in ("x86_64", "amd64") and not any(k in os.environ for k in NUMERIC_VARS):
+    os.environ.update(NUMERIC_PATHS[PINNED_PATH])
+
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,3 +54,22 @@ def tiny_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd(tiny_models) -> Path:
     return tiny_models / "stable-diffusion"
+
+
+def pytest_report_header(config):
+    return describe_numeric_path()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The numeric path, and the digest of every LoRA a learning test trained (`record_property("lora_sha256", ...)`):
+    under the pinned path the same on every x86-64 CPU."""
+    digests = [
+        (report.nodeid, value)
+        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+        if report.when == "call"
+        for name, value in report.user_properties
+        if name == "lora_sha256"
+    ]
+    terminalreporter.write_line(describe_numeric_path())
+    for nodeid, digest in sorted(digests):
+        terminalreporter.write_line(f"LoRA sha256 {digest}  {nodeid}")
