@@ -4,8 +4,8 @@ they are measured and run under.
 
 tests/test_toy_learning*.py run each case once, on the pinned numeric path; tests/learning_spread.py runs each over
 training seeds x numeric paths and reports how far every measured quantity sits from its bound, in units of its
-spread (docs/learning_spread.md). A bound is set so that the mean clears it by at least 5 times the standard
-deviation over seeds x numeric paths.
+spread (docs/learning_spread.md). The rule: the mean clears each bound by at least 5 times its standard deviation
+over seeds x numeric paths; CASES' comment says which bounds do not meet it yet.
 """
 
 from __future__ import annotations
