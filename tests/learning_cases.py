@@ -10,6 +10,7 @@ over seeds x numeric paths; CASES' comment says which bounds do not meet it yet.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -36,6 +37,21 @@ def numeric_env(path: str, base: dict[str, str] | None = None) -> dict[str, str]
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in NUMERIC_VARS}
     env.update(NUMERIC_PATHS[path])
     return env
+
+
+def lora_digest(folder: Path) -> str:
+    """sha256 of a saved LoRA's tensors (names and bytes, in name order), not of the file, whose header varies."""
+    import torch
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+
+    weights = load_file(str(Path(folder) / LORA_WEIGHTS_NAME))
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def describe_numeric_path() -> str:

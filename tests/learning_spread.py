@@ -15,7 +15,6 @@ bound in tests/learning_cases.py and how many standard deviations the mean clear
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -32,9 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learning_cases import CASES, NUMERIC_PATHS, REPO, numeric_env
-
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
+from learning_cases import CASES, NUMERIC_PATHS, REPO, lora_digest, numeric_env
 
 QUANTITIES = (  # name, the bound's field, +1 if larger is better
     ("gain", "min_gain", 1),
@@ -110,7 +107,7 @@ def run(
                 )
                 return
             metrics = _evaluate_in_subprocess(name, lora, path)
-            digest = hashlib.sha256((lora / LORA_WEIGHTS_NAME).read_bytes()).hexdigest()
+            digest = lora_digest(lora)
         record(
             {
                 "kind": "run",

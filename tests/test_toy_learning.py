@@ -9,11 +9,10 @@ same bits; and each bound lies at least 5 standard deviations of its spread over
 the measured mean (docs/learning_spread.md, `python tests/learning_spread.py`).
 """
 
-import hashlib
 from pathlib import Path
 
 import pytest
-from learning_cases import CASES, Case
+from learning_cases import CASES, Case, lora_digest
 from safetensors.torch import load_file
 
 from refl_ddpo import toy_world
@@ -32,7 +31,7 @@ def check_only_the_lora_changed(out: Path) -> str:
     lora = load_file(str(out / LORA_WEIGHTS_NAME))
     ups = [v for k, v in lora.items() if "lora.up" in k or "lora_B" in k]
     assert ups and all(v.abs().sum() > 0 for v in ups), "every LoRA B matrix moved off its zero init"
-    return hashlib.sha256((out / LORA_WEIGHTS_NAME).read_bytes()).hexdigest()
+    return lora_digest(out)
 
 
 def prove(case: Case, tmp_path: Path, record_property, base: dict[str, float] | None = None) -> None:
