@@ -7,12 +7,14 @@ as the prompt's metadata.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 from refl_ddpo.errors import UserError, read_utf8
+from refl_ddpo.user_code import import_ref, split_ref
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 PromptFn = Callable[[], tuple[str, dict]]
@@ -97,10 +99,59 @@ def resolve_prompts(name_or_path: str | None) -> list[tuple[str, dict]]:
     return load_prompts(name_or_path)
 
 
+def user_prompt_source(ref: str) -> Callable[..., PromptFn]:
+    """The user's prompt_fn 'pkg.module:function' as a source: called with no argument (ddpo-pytorch's and TRL's
+    contract), or with `rng=` (a random.Random seeded like the shipped sources) when it takes that keyword."""
+    fn = import_ref(ref, "--prompt_fn")
+    try:
+        takes_rng = "rng" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_rng = False
+
+    def make(seed: int | None = None) -> PromptFn:
+        rng = random.Random(seed)
+
+        def prompt_fn() -> tuple[str, dict]:
+            out = fn(rng=rng) if takes_rng else fn()
+            if not (
+                isinstance(out, tuple)
+                and len(out) == 2
+                and isinstance(out[0], str)
+                and isinstance(out[1], dict)
+            ):
+                raise UserError(
+                    f"--prompt_fn {ref} returned {type(out).__name__} {str(out)[:60]!r}; a prompt_fn returns "
+                    "(prompt: str, metadata: dict)."
+                )
+            return out
+
+        return prompt_fn
+
+    return make
+
+
+def _is_user_ref(name: str) -> bool:
+    return name not in PROMPT_SOURCES and split_ref(name) is not None and not Path(name).exists()
+
+
+def check_prompt_source(name: str) -> None:
+    """A shipped source's name or the user's importable 'pkg.module:function'; else one line with the choices."""
+    if _is_user_ref(name):
+        user_prompt_source(name)
+    elif name not in PROMPT_SOURCES:
+        raise UserError(
+            f"--prompt_fn {name}: unknown prompt source; choose from {', '.join(PROMPT_SOURCES)}, from_file "
+            "(with --prompts_file) or your own function as pkg.module:function."
+        )
+
+
 def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
-    """A registered source by name (`imagenet_animals`, ...) or `from_file` for a path."""
+    """A registered source by name (`imagenet_animals`, ...), the user's 'pkg.module:function', or `from_file` for a
+    path."""
     if name_or_path in PROMPT_SOURCES:
         return PROMPT_SOURCES[name_or_path](seed)
+    if _is_user_ref(name_or_path):
+        return user_prompt_source(name_or_path)(seed)
     if Path(name_or_path).suffix or "/" in name_or_path or Path(name_or_path).exists():
         return from_file(name_or_path, seed)
     raise UserError(f"prompts '{name_or_path}': neither a file nor one of {', '.join(PROMPT_SOURCES)}.")

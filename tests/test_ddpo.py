@@ -632,6 +632,26 @@ def test_script_trains_logs_and_saves_a_lora_that_loads_in_a_stock_pipeline(trai
     assert (after - before).abs().max().item() > 1e-3, "the trained LoRA changes the samples"
 
 
+def test_script_trains_on_the_users_own_reward_and_prompt_fn(tiny_models, tmp_path):
+    """--reward and --prompt_fn by dotted path (tests/user_functions.py, found in the folder the script is started
+    from): the run trains on them and logs the user's reward under its name."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    user = ("--reward", "user_functions:redness", "--prompt_fn", "user_functions:colour_prompt")
+    r = _script(_flags(tiny_models, out, 1, *user), cwd=REPO / "tests")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / LORA_WEIGHTS_NAME).is_file()
+    saved = json.loads((out / CONFIG_NAME).read_text())
+    assert (saved["reward"], saved["prompt_fn"]) == (user[1], user[3])
+    tags = set()
+    for f in (out / "logs").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "reward/user_functions:redness/mean" in tags, sorted(tags)
+
+
 def test_script_validates_by_epoch_and_writes_the_model_card(trained):
     from huggingface_hub import ModelCard
 

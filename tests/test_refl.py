@@ -198,6 +198,17 @@ def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
     ]
 
 
+def test_script_trains_on_the_users_own_differentiable_reward(tiny_models, tmp_path):
+    """--reward pkg.module:function (tests/user_functions.py on PYTHONPATH, marked differentiable) through ReFL."""
+    out = tmp_path / "run"
+    flags = _train_flags(tiny_models, out, 2) + ["--reward", "user_functions:redness"]
+    r = _script(flags, PYTHONPATH=str(REPO / "tests"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    r = _script(flags[:-1] + ["user_functions:brightness_list"], PYTHONPATH=str(REPO / "tests"))
+    assert r.returncode == 2 and "differentiable = True" in r.stderr.strip().splitlines()[-1]
+
+
 E2E_STEPS, RESUME_AT = 30, 15
 
 

@@ -14,8 +14,10 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 [[ "$PYTHON" == */* ]] && PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")"  # survives the cd
+CALLER_DIR="$PWD"
 cd "$REPO_ROOT"  # relative defaults (checkpoint/...) mean the same from the repo root or from train_scripts/
-export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# the caller's folder last: `--reward my_rewards:fn` finds my_rewards.py where the script was started
+export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}:$CALLER_DIR"
 
 die() { echo "error: $*" >&2; exit 2; }
 

@@ -10,6 +10,11 @@ extra scalars/tensors for logging. A reward that is `differentiable` keeps the a
 A factory takes `device`, `dtype` and `model_dir` (the --reward_model_dir folder) and returns the function; it never
 picks a device itself. `build_reward("jpeg_compressibility:1.0,imagereward:0.5", ...)` gives the weighted sum.
 The table names each factory by module, so that checking a `--reward` flag imports no model code.
+
+A reward of the user's own is named by dotted path, `pkg.module:function` (a weight after a second colon:
+`my_rewards:brightness:0.5`): the function itself is the reward_fn above (ddpo-pytorch's and TRL's contract); it may
+return the rewards as a tensor, an array or a list; set `function.differentiable = True` on one that keeps the graph
+(ReFL needs it). It is imported, and checked to be callable, when the flag is checked, before any model loads.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refl_ddpo.errors import UserError
+from refl_ddpo.user_code import import_ref, split_ref
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +107,10 @@ def available() -> list[str]:
 
 
 def base_name(name: str) -> str:
-    """The registry name of a spec's reward: 'remote:http://h:1' -> 'remote', 'pickscore' -> 'pickscore'."""
-    return name.partition(":")[0]
+    """The registry name of a spec's reward: 'remote:http://h:1' -> 'remote', 'pickscore' -> 'pickscore'; a user's
+    'pkg.module:function' is its own name."""
+    base = name.partition(":")[0]
+    return base if base in REWARDS else name
 
 
 def reward_url(name: str) -> str | None:
@@ -147,10 +155,14 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         name, _, weight = part.partition(":")
         if name in URL_REWARDS:
             name, weight = _parse_url_part(part)
+        elif name not in REWARDS and split_ref(part):
+            name, weight = split_ref(part)
+            import_ref(name, "--reward")
         elif name not in REWARDS:
             raise UserError(
                 f"--reward: unknown reward '{name}'; choose from {', '.join(available())} "
-                "(weighted sums as name:weight,name:weight; remote:URL for a reward server)."
+                "(weighted sums as name:weight,name:weight; remote:URL for a reward server; your own function "
+                "as pkg.module:function)."
             )
         try:
             value = float(weight) if weight else 1.0
@@ -167,12 +179,50 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def is_differentiable(spec: str) -> bool:
-    return all(REWARDS[base_name(name)][2] for name, _ in parse_reward_spec(spec))
+    return all(
+        REWARDS[name][2]
+        if name in REWARDS
+        else bool(getattr(import_ref(name, "--reward"), "differentiable", False))
+        for name in map(base_name, (n for n, _ in parse_reward_spec(spec)))
+    )
 
 
 def factory(name: str) -> RewardFactory:
-    module, fn, _ = REWARDS[base_name(name)]
+    base = base_name(name)
+    if base not in REWARDS:
+        return _user_factory(base)
+    module, fn, _ = REWARDS[base]
     return getattr(importlib.import_module(module), fn)
+
+
+def _user_factory(ref: str) -> RewardFactory:
+    """A factory for the user's reward_fn 'pkg.module:function': its rewards as float32 [B] on the images' device,
+    or one line saying what it returned instead."""
+    fn = import_ref(ref, "--reward")
+
+    def make(device=None, dtype=None, model_dir=None, **_) -> RewardFn:
+        import torch
+
+        def reward_fn(images, prompts, metadata):
+            out = fn(images, prompts, metadata)
+            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+                raise UserError(
+                    f"--reward {ref} returned a {type(out).__name__}; a reward_fn returns (rewards, info): "
+                    f"{len(prompts)} numbers and a dict (may be empty)."
+                )
+            rewards = out[0]
+            if not torch.is_tensor(rewards):
+                rewards = torch.as_tensor(rewards, dtype=torch.float32)
+            if tuple(rewards.shape) != (len(prompts),):
+                raise UserError(
+                    f"--reward {ref} returned rewards of shape {tuple(rewards.shape)} for {len(prompts)} "
+                    f"images; return one number per image, shape ({len(prompts)},)."
+                )
+            return rewards.to(device=images.device, dtype=torch.float32), out[1]
+
+        return reward_fn
+
+    return make
 
 
 def build_reward(

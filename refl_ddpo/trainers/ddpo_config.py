@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
-from refl_ddpo.prompts import DATA_DIR, load_prompts
+from refl_ddpo.prompts import DATA_DIR, check_prompt_source, load_prompts
 
 TOY_WORLD_DIR = DATA_DIR / "toy_world"
 from refl_ddpo.rewards import parse_reward_spec
@@ -30,26 +30,17 @@ class DDPOConfig(CommonConfig):
     reward: str = field_(
         "jpeg_compressibility",
         "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
-        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server).",
+        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server); "
+        "your own reward_fn(images, prompts, metadata) -> (rewards, info) as pkg.module:function.",
         group="reward and prompts",
     )
-    prompt_fn: (
-        Literal[
-            "imagenet_animals",
-            "simple_animals",
-            "toy_world_train",
-            "toy_world_green",
-            "toy_world_cyan",
-            "from_file",
-        ]
-        | None
-    ) = field_(
+    prompt_fn: str | None = field_(
         None,
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
         "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green / toy_world_cyan (its 2 "
-        "training prompts of one colour word) or from_file (--prompts_file); default "
-        "from_file when --prompts_file is given, else "
-        "imagenet_animals.",
+        "training prompts of one colour word), from_file (--prompts_file), or your own prompt_fn() -> (prompt, "
+        "metadata) as pkg.module:function (given an `rng` keyword if it takes one: a random.Random seeded per "
+        "epoch, the same on every process); default from_file when --prompts_file is given, else imagenet_animals.",
     )
     sample_num_steps: int = field_(
         50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
@@ -268,6 +259,8 @@ class DDPOConfig(CommonConfig):
                     f"--reward {self.reward}{via} asks a VLM on an OpenAI-compatible server: set "
                     f"OPENAI_BASE_URL=http://HOST:PORT/v1 (vLLM, sglang, ...) or write --reward {name}:URL."
                 )
+        if self.prompt_fn != "from_file":
+            check_prompt_source(self.prompt_fn)
         if self.prompt_fn == "from_file":
             if not self.prompts_file:
                 raise UserError("--prompt_fn from_file needs --prompts_file PATH (one prompt per line).")

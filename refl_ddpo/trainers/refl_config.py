@@ -29,7 +29,7 @@ class ReFLConfig(CommonConfig):
     reward: str = field_(
         "imagereward",
         "Reward to maximise; it must be differentiable (imagereward, toy_classifier, ...); weighted sums as "
-        "name:w,name:w.",
+        "name:w,name:w; your own reward_fn as pkg.module:function (marked `differentiable = True`).",
         group="reward and prompts",
     )
     preset: str | None = field_(
@@ -177,7 +177,8 @@ class ReFLConfig(CommonConfig):
             names = ", ".join(n for n in available() if REWARDS[n][2])
             raise UserError(
                 f"--reward {self.reward} cannot carry gradient, and ReFL backpropagates through the "
-                f"reward: choose a differentiable one ({names}) or train this reward with DDPO."
+                f"reward: choose a differentiable one ({names}), mark your own reward_fn `differentiable = True` "
+                "if it keeps the graph, or train this reward with DDPO."
             )
         if "imagereward" not in [name for name, _ in parse_reward_spec(self.reward)] and (
             self.reward_gradient_checkpointing or not self.reward_antialias
