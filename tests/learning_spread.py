@@ -2,7 +2,7 @@
 from the measured mean in units of that spread.
 
     python tests/learning_spread.py run OUT [--cases refl draft3 ...] [--seeds 42 0 1] [--paths avx2 native baseline]
-        [--workers 2]
+        [--workers 2] [--keep] [--extra FLAGS]
     python tests/learning_spread.py report OUT > table.md
 
 `run` trains every case x seed x numeric path through the case's shell script (one CPU thread each, `--workers` at a
@@ -58,7 +58,13 @@ def _load(out: Path) -> list[dict]:
 
 
 def run(
-    out: Path, cases: list[str], seeds: list[int], paths: list[str], workers: int, extra: list[str]
+    out: Path,
+    cases: list[str],
+    seeds: list[int],
+    paths: list[str],
+    workers: int,
+    extra: list[str],
+    keep: bool = False,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     done = {(r["kind"], r.get("case"), r.get("key"), r.get("seed"), r["path"]) for r in _load(out)}
@@ -97,7 +103,7 @@ def run(
             )
             return
         with tempfile.TemporaryDirectory(prefix=f"spread_{name}_") as tmp:
-            lora = Path(tmp) / "lora"
+            lora = (out / "loras" / f"{name}_{seed}_{path}") if keep else Path(tmp) / "lora"
             t0 = time.monotonic()
             r = case.train(lora, *extra, "--seed", str(seed), env=numeric_env(path), timeout=None)
             train_s = time.monotonic() - t0
@@ -227,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--seeds", nargs="+", type=int, default=[42, 0, 1])
     r.add_argument("--paths", nargs="+", default=list(NUMERIC_PATHS), choices=list(NUMERIC_PATHS))
     r.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    r.add_argument("--keep", action="store_true", help="keep each trained LoRA in OUT/loras/CASE_SEED_PATH")
     r.add_argument(
         "--extra", default="", help="flags added to every case's (a recipe to try), e.g. '--num_epochs 8'"
     )
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("lora", nargs="?", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "run":
-        run(args.out, args.cases, args.seeds, args.paths, args.workers, shlex.split(args.extra))
+        run(args.out, args.cases, args.seeds, args.paths, args.workers, shlex.split(args.extra), args.keep)
     elif args.cmd == "report":
         print(report(args.out))
     else:
