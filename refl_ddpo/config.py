@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import math
 import os
+import re
 import shlex
 import types
 import typing
@@ -365,16 +367,37 @@ def _parse_none(conv):
     return parse
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown; the description's own lines and paragraphs kept."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, without the usage block, and name the closest flags to an unknown one
+    ("did you mean --learning_rate?")."""
+
+    def error(self, message: str):
+        hints = []
+        if "unrecognized arguments:" in message:
+            for flag in re.findall(r"(?<!\S)--?[A-Za-z][\w-]*", message.partition(":")[2]):
+                close = difflib.get_close_matches(flag, self._option_string_actions, n=2, cutoff=0.7)
+                if close:
+                    hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+        tail = "; ".join(hints) or "--help lists the flags"
+        self.exit(2, f"{self.prog}: error: {message} ({tail})\n")
+
+
 def build_parser(
     cls: type, description: str | None = None, suppress_defaults: bool = False, prog: str | None = None
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per dataclass field (grouped as the fields' `group`s), plus `--config`.
 
-    `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given)."""
-    parser = argparse.ArgumentParser(
+    `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given); otherwise the
+    defaults are the calling script's where it sets them (REFL_DDPO_DEFAULTS), so that --help shows what runs."""
+    parser = FlagParser(
         prog=prog or os.environ.get(PROG_ENV),
+        usage="%(prog)s [--flag VALUE ...]   (--help: the flags by topic)",
         description=description or cls.__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
@@ -404,6 +427,12 @@ def build_parser(
             kw["choices"] = list(cls.PRESETS)
             kw.pop("type", None)
         group.add_argument(f"--{f.name}", *f.metadata.get("flags", ()), **kw)
+    if not suppress_defaults and os.environ.get(DEFAULTS_ENV):
+        script = vars(
+            build_parser(cls, suppress_defaults=True).parse_args(shlex.split(os.environ[DEFAULTS_ENV]))
+        )
+        script.pop("config", None)
+        parser.set_defaults(**_resolve_aliases(cls, script, " in the script's defaults"))
     return parser
 
 

@@ -8,6 +8,7 @@ from refl_ddpo.config import CommonConfig, parse_config
 from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import get_prompt_fn, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.trainers.refl_config import ReFLConfig
 
 
 def test_flags_defaults_and_overrides(tmp_path):
@@ -115,6 +116,29 @@ def test_abbreviated_flags_are_errors(capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(CommonConfig, ["--learning_rat", "1e-3"])
     assert e.value.code == 2 and "--learning_rat" in capsys.readouterr().err
+
+
+def test_a_misspelled_flag_is_one_line_that_names_the_closest_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(ReFLConfig, ["--learnig_rate", "1e-4", "--grad_scal", "3", "--zzz"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage" not in err, err
+    assert (
+        "--learnig_rate: did you mean --learning_rate?" in err
+        and "--grad_scal: did you mean --grad_scale" in err
+    )
+    with pytest.raises(SystemExit):
+        parse_config(ReFLConfig, ["--preset", "toy"])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "invalid choice: 'toy'" in err and "toy_world" in err
+
+
+def test_help_shows_the_defaults_the_calling_script_sets(monkeypatch, capsys):
+    monkeypatch.setenv("REFL_DDPO_DEFAULTS", "--learning_rate 1e-4 --grad_scale 0.01")
+    with pytest.raises(SystemExit):
+        parse_config(ReFLConfig, ["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "LoRA recipe: 0.01). (default: 0.01)" in out and "(default: 0.0001)" in out
 
 
 def test_diffusers_name_of_the_model_flag_is_accepted():
