@@ -32,9 +32,12 @@ def torch_dtype(name: str):
 
 
 def looks_local(name: str) -> bool:
-    """A path (exists, absolute, relative with ./, or more than one '/') rather than a hub id 'org/name'."""
+    """A path (exists, absolute, relative with ./, more than one '/', or 'folder/name' where folder exists here, as
+    checkpoint/ does in the repo) rather than a hub id 'org/name'."""
     return (
         os.path.exists(name)
+        or "/" in name
+        and os.path.isdir(name.split("/")[0])
         or os.path.isabs(name)
         or name.startswith((".", "~"))
         or name.count("/") > 1

@@ -290,6 +290,21 @@ def test_a_model_folder_missing_a_component_names_it(tmp_path):
     check_pretrained_model(str(model))
 
 
+def test_a_missing_folder_under_an_existing_one_is_a_local_path_not_a_hub_id(tmp_path, monkeypatch):
+    """checkpoint/stable-diffusion-v1-4 in the repo (checkpoint/ exists) fails at once, without asking the hub."""
+    from refl_ddpo.models import check_pretrained_model, looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoint").mkdir()
+    assert looks_local("checkpoint/stable-diffusion-v1-4") and not looks_local(
+        "CompVis/stable-diffusion-v1-4"
+    )
+    with pytest.raises(
+        UserError, match="checkpoint/stable-diffusion-v1-4 does not exist: put the diffusers folder"
+    ):
+        check_pretrained_model("checkpoint/stable-diffusion-v1-4")
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
