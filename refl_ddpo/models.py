@@ -139,6 +139,9 @@ def load_pipeline(
     import diffusers
     import torch
 
+    from refl_ddpo.progress import quiet_library_bars
+
+    quiet_library_bars()
     cls = getattr(diffusers, pipeline_class or pipeline_class_name(name))
     extra = _components_off(name, cls.__name__, drop_t5)
     try:

@@ -92,3 +92,17 @@ def run_clock(elapsed: float, done: int, left: int) -> str:
     if done > 0 and left > 0:
         text += f", ~{hms(elapsed / done * left)} left"
     return text
+
+
+def quiet_library_bars() -> None:
+    """When stderr is not a terminal, switch off diffusers', transformers' and huggingface_hub's own bars (loading
+    components, weights, downloads): redrawn with carriage returns, they would litter the log."""
+    if _is_tty(sys.stderr):
+        return
+    import diffusers
+    import huggingface_hub
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()

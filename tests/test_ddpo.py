@@ -590,6 +590,7 @@ def _held_out(pipe, steps: int = 4, per_prompt: int = 1) -> tuple[torch.Tensor, 
 def test_script_trains_logs_and_saves_a_lora_that_loads_in_a_stock_pipeline(trained, tiny_models):
     out, r = trained
     assert "images per epoch (all processes): 4" in r.stdout and "optimizer steps per epoch: 2" in r.stdout
+    assert "\r" not in r.stdout + r.stderr, "no library's loading bar redraws into a log"
     assert (out / LORA_WEIGHTS_NAME).is_file()
     saved = json.loads((out / CONFIG_NAME).read_text())
     assert (

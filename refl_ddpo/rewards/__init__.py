@@ -234,6 +234,9 @@ def build_reward(
     False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`."""
     import torch
 
+    from refl_ddpo.progress import quiet_library_bars
+
+    quiet_library_bars()
     parts = parse_reward_spec(spec)
     device, dtype, options = torch.device(device), dtype or torch.float32, options or {}
     built = []
