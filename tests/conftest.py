@@ -61,15 +61,18 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The numeric path, and the digest of every LoRA a learning test trained (`record_property("lora_sha256", ...)`):
-    under the pinned path the same on every x86-64 CPU."""
-    digests = [
-        (report.nodeid, value)
-        for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+    """The numeric path, and for every LoRA a learning test trained its digest (`record_property("lora_sha256", ...)`:
+    under the pinned path the same on every x86-64 CPU) and its held-out judgement (`"judged"`)."""
+    reports = terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+    found = sorted(
+        (report.nodeid, name, value)
+        for report in reports
         if report.when == "call"
         for name, value in report.user_properties
-        if name == "lora_sha256"
-    ]
+        if name in ("lora_sha256", "judged")
+    )
     terminalreporter.write_line(describe_numeric_path())
-    for nodeid, digest in sorted(digests):
-        terminalreporter.write_line(f"LoRA sha256 {digest}  {nodeid}")
+    for nodeid, name, value in found:
+        terminalreporter.write_line(
+            f"{'LoRA sha256' if name == 'lora_sha256' else 'held out'} {value}  {nodeid}"
+        )

@@ -9,6 +9,7 @@ same bits; and each bound lies at least 5 standard deviations of its spread over
 the measured mean (docs/learning_spread.md, `python tests/learning_spread.py`).
 """
 
+import time
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,20 @@ def check_only_the_lora_changed(out: Path) -> str:
 def prove(case: Case, tmp_path: Path, record_property, base: dict[str, float] | None = None) -> None:
     """Train `case` through its script, then check it against its bounds (base: the held-out judgement before)."""
     base = case.evaluate() if base is None else base
+    t0 = time.monotonic()
     r = case.train(tmp_path / case.name)
+    train_s = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
     record_property("lora_sha256", check_only_the_lora_changed(tmp_path / case.name))
-    case.check(base, case.evaluate(tmp_path / case.name))
+    after = case.evaluate(tmp_path / case.name)
+    changes = case.changes(base, after)
+    record_property(
+        "judged",
+        f"accuracy {base['accuracy']:.3f} -> {after['accuracy']:.3f}, "
+        + ", ".join(f"{k.replace('_', ' ')} {v:+.3f}" for k, v in changes.items())
+        + f"; trained in {train_s:.0f} s",
+    )
+    case.check(base, after)
 
 
 def test_refl_raises_held_out_colour_accuracy(tmp_path, record_property):
