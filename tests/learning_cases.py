@@ -161,9 +161,9 @@ _SD3_CYAN = {"model": "toy-sd3", "prompts": "SD3_HELDOUT_PROMPTS", "eval_seeds":
 # The bounds: docs/learning_spread.md gives, for each case, the mean and standard deviation of every quantity over
 # training seeds x numeric paths, and how many of those standard deviations each bound lies from the mean. The rule is
 # 5; a gain bound sits at the 5-std point where that point is above 0, and the shape bounds stay at 0.2 / 0.2 / 0.1
-# (larger would let a frame-filling or broken-up LoRA pass). Measured 2026-11-25, under 5: ReFL and DRaFT-3 on
-# toy-sd (gain, grey drop, ragged rise) and GRPO on toy-sd (ragged rise, 4.8); their recipes are still to be made
-# steadier. Under the pinned path every case clears every bound (seed 42, the tests' seed).
+# (larger would let a frame-filling or broken-up LoRA pass). Measured 2026-11-25, under 5: DRaFT-3 on toy-sd (grey
+# drop, ragged rise) and GRPO on toy-sd (ragged rise, 4.8); their recipes are still to be made steadier. Under the
+# pinned path every case clears every bound (seed 42, the tests' seed).
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
@@ -176,7 +176,7 @@ CASES: dict[str, Case] = {
             "toy_world",
             ("--max_train_steps", "320", "--reward", "toy_classifier:1,toy_clean:0.2", "--kl_weight", "1"),
             **_SD_HELDOUT,
-            min_gain=0.12,
+            min_gain=0.2,
             max_grey_drop=0.2,
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
@@ -199,7 +199,7 @@ CASES: dict[str, Case] = {
                 "toy_classifier:1,toy_clean:0.2",
             ),
             **_SD_HELDOUT,
-            min_gain=0.06,
+            min_gain=0.05,
             max_grey_drop=0.2,
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
