@@ -161,8 +161,8 @@ _SD3_CYAN = {"model": "toy-sd3", "prompts": "SD3_HELDOUT_PROMPTS", "eval_seeds":
 # The bounds: docs/learning_spread.md gives, for each case, the mean and standard deviation of every quantity over
 # training seeds x numeric paths, and how many of those standard deviations each bound lies from the mean. The rule is
 # 5; a gain bound sits at the 5-std point where that point is above 0, and the shape bounds stay at 0.2 / 0.2 / 0.1
-# (larger would let a frame-filling or broken-up LoRA pass). Measured 2026-11-25, under 5: DRaFT-3 on toy-sd (grey
-# drop, ragged rise) and GRPO on toy-sd (ragged rise, 4.8); their recipes are still to be made steadier. Under the
+# (larger would let a frame-filling or broken-up LoRA pass). Measured 2026-11-25, under 5: DRaFT-3 on toy-sd (gain
+# 4.3, grey drop, ragged rise) and GRPO on toy-sd (ragged rise, 4.8); their recipes are still to be made steadier. Under the
 # pinned path every case clears every bound (seed 42, the tests' seed).
 CASES: dict[str, Case] = {
     c.name: c
