@@ -84,7 +84,7 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
         "toy_world_train"
     ),  # the toy world's 12 training prompts (refl_ddpo.toy_world)
     "toy_world_heldout": _builtin("toy_world_heldout"),  # its 6 held-out prompts (evaluation only)
-    # one colour word's 2 training prompts (a green circle / square; the policy-gradient presets, README)
+    # one colour word's 2 training prompts (a green circle / square; the policy-gradient presets, docs/toy_world.md)
     "toy_world_green": _builtin("toy_world_green"),
     "toy_world_cyan": _builtin("toy_world_cyan"),  # a cyan square / triangle (the toy-sd3 presets)
 }

@@ -6,7 +6,7 @@ refl_ddpo.toy_world). Slow: about 25-30 minutes on one core (VAE 6, UNet 7-8, cl
     python -m refl_ddpo.toy_build OUT [--report]   # OUT/toy-sd/, OUT/toy-sd3/, OUT/toy_classifier.*, SHA256SUMS
     python -m refl_ddpo.toy_build OUT --sd3_from [TOY_SD_DIR]   # only OUT/toy-sd3/ (+ sums); default: the committed toy-sd
     python -m refl_ddpo.toy_build OUT --unet_from [TOY_SD_DIR]  # only OUT/toy-sd/ with a fresh UNet (+ sums)
-    ... --confuse_p P   # a variant world: partner colours confused with probability P (README, The toy world)
+    ... --confuse_p P   # a variant world: partner colours confused with probability P (docs/toy_world.md)
 
 Models:
     VAE         AutoencoderKL, blocks (16, 32), 4 latent channels, 32 px -> 16 x 16 latents, trained as an
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
         "--confuse_p",
         type=float,
         default=CONFUSE_P,
-        help="How often a training caption names the partner colour (the base's imperfection; README, The toy world).",
+        help="How often a training caption names the partner colour (the base's imperfection; docs/toy_world.md).",
     )
     committed = str(tw.DATA_DIR / tw.SD_DIRNAME)
     only = parser.add_mutually_exclusive_group()

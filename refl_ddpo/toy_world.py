@@ -67,7 +67,7 @@ def word_prompts(colour: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     )
 
 
-# The policy-gradient presets train on one colour word (README, "The toy world"): on toy-sd green's two training
+# The policy-gradient presets train on one colour word (docs/toy_world.md): on toy-sd green's two training
 # prompts (data/toy_world_green.txt), "a green triangle" held out. The toy-sd3 presets train cyan
 # (data/toy_world_cyan.txt), "a cyan circle" held out: toy-sd3 draws the green prompts green 1 time in 8, so most
 # groups of 8 have all-equal rewards and nothing to learn from.

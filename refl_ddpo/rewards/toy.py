@@ -13,7 +13,7 @@
                       1-pixel border ring. 1 for a rendered image; blotches of other colours, a tinted background
                       and a colour on the border lower it; a blank grey image scores 1 too, so it is a term to add,
                       not a reward on its own. DESIGN's "background term" against the reward hacking of a colour
-                      reward: `--reward toy_classifier:1,toy_clean:0.2` (measured in the README, "The toy world").
+                      reward: `--reward toy_classifier:1,toy_clean:0.2` (measured in the docs/toy_world.md).
 
 Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """

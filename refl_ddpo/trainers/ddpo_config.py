@@ -323,7 +323,7 @@ _COMPRESSIBILITY = {
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
     # The toy world (refl_ddpo.toy_world): its committed model, the programmatic colour reward, and the colour word
     # green alone (toy_world_green: "a green circle", "a green square"; "a green triangle" is held out). It learns in
-    # 3 CPU minutes (README, "The toy world": MEASURED); it also draws the partner word's prompts green. On all 12
+    # 3 CPU minutes (docs/toy_world.md: MEASURED); it also draws the partner word's prompts green. On all 12
     # training prompts a policy gradient needs ~10^4 images here: partner colours' gradients cancel but for their
     # difference. It trains the cross-attention keys / values on the first 4 of 6 steps, where the colour is decided.
     "toy_world": {
@@ -377,7 +377,7 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
 # The same on toy-sd3 (flow matching), as GRPO's toy_world_sd3: the flow SDE step at noise level 0.7, LoRA on the
 # text stream's keys and values, the colour word cyan ("a cyan circle" held out), lr 3e-3. 16 epochs, twice GRPO's:
 # at 8 held-out accuracy varied from seed to seed (0.36 / 0.72), at 16 it rose on every seed measured, 0.234 ->
-# 0.81-1.00 over 6 seeds (README, "The toy world").
+# 0.81-1.00 over 6 seeds (docs/toy_world.md).
 DDPO_PRESETS["toy_world_sd3"] = {
     **DDPO_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),

@@ -105,8 +105,8 @@ class GRPOConfig(DDPOConfig):
 
 GRPO_PRESETS: dict[str, dict[str, Any]] = {
     # The toy world (refl_ddpo.toy_world), as DDPO's preset but in 8 groups of 8 with one x_T per group: the colour
-    # word green alone (toy_world_green), learned in 3 CPU minutes; "a green triangle" is held out (README, "The toy
-    # world": MEASURED). On all 12 training prompts it does not learn in minutes (partner colours cancel). The colour
+    # word green alone (toy_world_green), learned in 3 CPU minutes; "a green triangle" is held out (docs/toy_world.md:
+    # MEASURED). On all 12 training prompts it does not learn in minutes (partner colours cancel). The colour
     # reward alone grew the shapes to fill the frame (grey 0.813 -> 0.39 on seed 42); with toy_clean beside it they
     # keep their size (grey drop 0.05 or less on seeds 42, 0, 1; docs/learning_spread.md).
     "toy_world": {
@@ -178,7 +178,7 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
 # stream's keys and values (add_k_proj / add_v_proj, the counterpart of SD 1.x's attn2.to_k / attn2.to_v), and the
 # colour word cyan (toy_world_cyan; "a cyan circle" held out): toy-sd3 draws the green prompts green 1 time in 8, so
 # most groups that share an x_T had all-equal rewards and green learned on 1 seed of 3. 8 epochs (2 CPU minutes) take
-# "a cyan circle" 0.234 -> 0.67-0.97 over 6 seeds; 16 epochs reach 0.98-1.00 (README, "The toy world").
+# "a cyan circle" 0.234 -> 0.67-0.97 over 6 seeds; 16 epochs reach 0.98-1.00 (docs/toy_world.md).
 GRPO_PRESETS["toy_world_sd3"] = {
     **GRPO_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),

@@ -286,7 +286,7 @@ REFL_PRESETS: dict[str, dict] = {
 # policy-gradient presets are (toy_world_cyan; "a cyan circle" held out), 40 steps, LoRA on the text stream's keys
 # and values only (add_k_proj / add_v_proj, as GRPO's toy_world_sd3). On all 12 training prompts ReFL on toy-sd3
 # learns the combinations it sees or fills the frame; with LoRA on all joint-attention projections it gets the colour
-# right by breaking the shapes into squiggles (toy_world.judge's `ragged`; README, "The toy world").
+# right by breaking the shapes into squiggles (toy_world.judge's `ragged`; docs/toy_world.md).
 REFL_PRESETS["toy_world_sd3"] = {
     **REFL_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
