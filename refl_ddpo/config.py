@@ -387,12 +387,16 @@ class FlagParser(argparse.ArgumentParser):
 
 
 def build_parser(
-    cls: type, description: str | None = None, suppress_defaults: bool = False, prog: str | None = None
+    cls: type,
+    description: str | None = None,
+    suppress_defaults: bool = False,
+    prog: str | None = None,
+    script_defaults: dict | None = None,
 ) -> argparse.ArgumentParser:
     """An argparse parser with one flag per dataclass field (grouped as the fields' `group`s), plus `--config`.
 
-    `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given); otherwise the
-    defaults are the calling script's where it sets them (REFL_DDPO_DEFAULTS), so that --help shows what runs."""
+    `suppress_defaults`: unset flags are absent from the namespace (to read which flags were given);
+    `script_defaults`: the calling script's values, shown as the defaults (so that --help shows what runs)."""
     parser = FlagParser(
         prog=prog or os.environ.get(PROG_ENV),
         usage="%(prog)s [--flag VALUE ...]   (--help: the flags by topic)",
@@ -427,12 +431,8 @@ def build_parser(
             kw["choices"] = list(cls.PRESETS)
             kw.pop("type", None)
         group.add_argument(f"--{f.name}", *f.metadata.get("flags", ()), **kw)
-    if not suppress_defaults and os.environ.get(DEFAULTS_ENV):
-        script = vars(
-            build_parser(cls, suppress_defaults=True).parse_args(shlex.split(os.environ[DEFAULTS_ENV]))
-        )
-        script.pop("config", None)
-        parser.set_defaults(**_resolve_aliases(cls, script, " in the script's defaults"))
+    if script_defaults and not suppress_defaults:
+        parser.set_defaults(**script_defaults)
     return parser
 
 
@@ -531,12 +531,14 @@ def _resolve_aliases(cls: type, layer: dict, where: str) -> dict:
 def parse_layers(cls: type, argv: list[str] | None = None, description: str | None = None) -> dict:
     """The field values from every layer (see the module doc), merged, before the dataclass is built."""
     explicit = build_parser(cls, description, suppress_defaults=True)
-    build_parser(cls, description).parse_args(argv)  # --help, and argparse's own errors with defaults shown
-    flags = vars(explicit.parse_args(argv))
-    config_path = flags.pop("config", None)
     script = vars(explicit.parse_args(shlex.split(os.environ.get(DEFAULTS_ENV, ""))))
     script.pop("config", None)
-    layers = [(_resolve_aliases(cls, script, " in the script's defaults"), "script")]
+    script = _resolve_aliases(cls, script, " in the script's defaults")
+    # --help (with the script's values as the defaults), and argparse's own errors
+    build_parser(cls, description, script_defaults=script).parse_args(argv)
+    flags = vars(explicit.parse_args(argv))
+    config_path = flags.pop("config", None)
+    layers = [(script, "script")]
     file_layer = _load_config_file(config_path, cls) if config_path else {}
     flags_layer = _resolve_aliases(cls, flags, "")
     file_layer = _resolve_aliases(cls, file_layer, f" in --config {config_path}")

@@ -155,8 +155,8 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         name, _, weight = part.partition(":")
         if name in URL_REWARDS:
             name, weight = _parse_url_part(part)
-        elif name not in REWARDS and split_ref(part):
-            name, weight = split_ref(part)
+        elif name not in REWARDS and (ref := split_ref(part)):
+            name, weight = ref
             import_ref(name, "--reward")
         elif name not in REWARDS:
             raise UserError(
