@@ -25,6 +25,7 @@ class DenoiseOutput:
     all_latents: list[torch.Tensor] = field(
         default_factory=list
     )  # S + 1 x (B, C, h, w), with keep_trajectory
+    all_pred_x0: list[torch.Tensor] = field(default_factory=list)  # S x (B, C, h, w), with keep_trajectory
     log_probs: list[torch.Tensor] = field(default_factory=list)  # S x (B,), with with_logprob
 
 
@@ -98,5 +99,6 @@ def denoise(
                 latents, x0 = family.step(scheduler, model_output, t_host, latents, eta, generator)
         if keep_trajectory:
             out.all_latents.append(latents)
+            out.all_pred_x0.append(x0)
     out.latents, out.pred_original_sample = latents, x0
     return out

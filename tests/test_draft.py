@@ -141,6 +141,34 @@ def test_gradient_flows_through_exactly_the_last_k_network_calls(sd_setup, k, ch
     torch.testing.assert_close(out.loss, torch.relu(10.0 - out.rewards).mean())
 
 
+def test_kl_over_draft_steps_is_the_mean_noise_prediction_mse_to_the_base(sd_setup):
+    """DRaFT's KL regulariser: at each of the last K steps, mean((eps_lora - eps_base)^2) at that step's x_t under CFG,
+    averaged over the K steps; its gradient reaches the LoRA."""
+    from refl_ddpo.trainers.refl import kl_to_base
+
+    family, params, cond, uncond, noise, reward = sd_setup
+    scheduler = family.rollout_scheduler("ddim")
+    k = 3
+    out = _run(family, scheduler, reward, cond, uncond, noise, k, keep_trajectory=True)
+    steps = draft_grad_steps(T, k)
+    for p in params:
+        p.grad = None
+    kl = kl_to_base(family, scheduler, out.denoised, steps, cond, uncond, 3.0)
+    expected = []
+    with torch.no_grad():
+        for i in steps:
+            x_t, t = out.denoised.all_latents[i], out.denoised.timesteps[i]
+            eps_lora = family.predict(x_t, t, scheduler, cond, uncond, 3.0)
+            family.network.disable_adapters()
+            eps_base = family.predict(x_t, t, scheduler, cond, uncond, 3.0)
+            family.network.enable_adapters()
+            expected.append((eps_lora - eps_base).square().mean())
+    assert min(expected) > 0
+    torch.testing.assert_close(kl, torch.stack(expected).mean(), rtol=1e-3, atol=1e-7)
+    kl.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
 def test_checkpointing_changes_memory_not_maths(sd_setup):
     """Same loss and LoRA gradients with and without checkpointing; with it, the tensors kept for backward between the
     K steps shrink to the steps' inputs (counted with saved_tensors_hooks: the checkpointed calls save through their
@@ -285,7 +313,7 @@ def test_trainer_runs_alignprop_and_draft_lv(tiny_models, tmp_path, capsys, flag
         (["--backprop_steps", "random:1-9"], "--backprop_steps"),
         (["--draft_lv", "-1"], "--draft_lv"),
         (["--draft_lv", "2", "--backprop_steps", "3"], "--draft_lv"),
-        (["--backprop_steps", "2", "--kl_weight", "0.1"], "--kl_weight"),
+        (["--draft_lv", "1", "--kl_weight", "0.1"], "--kl_weight"),
     ],
 )
 def test_bad_backprop_flags_are_one_line_errors(tiny_models, tmp_path, capsys, flags, field):

@@ -13,7 +13,7 @@ One optimizer step, as ImageReward's ReFL.py (and its LoRA hackathon version), w
     r = reward(image)                      e.g. ImageReward: bicubic resize 224, centre crop, CLIP mean/std, as tensor ops
     loss = relu(margin - r).mean() * grad_scale                  (margin 2, grad_scale 1e-3 / 0.01 in the LoRA recipe)
          + pretrain_loss_weight * MSE(net(noisy x, t), noise)    optional, on an image-caption folder
-         + kl_weight * KL term vs the base model                 optional, LoRA only (see `kl_to_base`)
+         + kl_weight * KL term vs the base model                 optional, LoRA only, at the grad step(s) (`kl_to_base`)
 
 State (`output_dir/checkpoint-N`): the LoRA (or network), optimizer and accelerate state through accelerate's
 `save_state`; the step, the lr-scheduler state and the EMA scalars as JSON; the generators (the shared k generator
@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from refl_ddpo.algorithms.reward_backprop import refl_loss, x0_kl
+from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, refl_loss, x0_kl
 from refl_ddpo.errors import UserError, cli_main
 from refl_ddpo.families import Cond, ModelFamily
 from refl_ddpo.sampling import DenoiseOutput, denoise
@@ -134,6 +135,7 @@ def draft_step(
     generator: torch.Generator | None = None,
     lv_copies: int = 0,
     checkpoint_network: bool = True,
+    keep_trajectory: bool = False,
     network=None,
 ) -> ReFLStepOutput:
     """DRaFT-K (Clark et al. 2023, Algorithm 1) and, with K drawn per step by the caller, AlignProp (Prabhudesai et
@@ -148,7 +150,6 @@ def draft_step(
     """
     from diffusers.utils.torch_utils import randn_tensor
 
-    from refl_ddpo.algorithms.reward_backprop import draft_grad_steps
     from refl_ddpo.families import cond_cat
 
     if lv_copies and k != 1:
@@ -165,6 +166,7 @@ def draft_step(
         generator=generator,
         grad_steps=draft_grad_steps(num_inference_steps, k),
         checkpoint_grad_steps=checkpoint_network and k > 1,
+        keep_trajectory=keep_trajectory,
         network=network,
     )
     batch = len(prompts)
@@ -190,23 +192,27 @@ def kl_to_base(
     family: ModelFamily,
     scheduler,
     denoised: DenoiseOutput,
-    k: int,
+    steps: int | Collection[int],
     cond: Cond,
     uncond: Cond | None,
     guidance_scale: float,
 ) -> torch.Tensor:
-    """The KL regulariser at the grad step: mean((eps_lora - eps_base)^2) over batch and latent elements on SD
-    (`algorithms.reward_backprop.x0_kl`), the base being the family's network with the LoRA adapter switched off,
-    under no grad, with the same x_t, t, prompts and CFG. `denoised` must come from `refl_step(...,
-    keep_trajectory=True)`."""
+    """The KL regulariser over the grad steps: at each step i of `steps` (ReFL's one step k, or DRaFT's last K),
+    mean((eps_lora - eps_base)^2) over batch and latent elements on SD (`algorithms.reward_backprop.x0_kl`), then the
+    mean over the steps. The base is the family's network with the LoRA adapter switched off, under no grad, with
+    the same x_t, t, prompts and CFG. `denoised` must come from a rollout with `keep_trajectory=True`."""
     from refl_ddpo.lora import adapters_off
 
-    x_t, t = denoised.all_latents[k], denoised.timesteps[k]
-    with adapters_off(family.network):
-        out_base = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale)
-        # A throwaway generator: the step's noise is not used, and the run's own streams must not move.
-        _, x0_base = family.step(scheduler, out_base, t, x_t, 0.0, torch.Generator().manual_seed(0))
-    return x0_kl(denoised.pred_original_sample, x0_base, family.x0_kl_weight(scheduler, t))
+    steps = [steps] if isinstance(steps, int) else list(steps)
+    terms = []
+    for i in steps:
+        x_t, t = denoised.all_latents[i], denoised.timesteps[i]
+        with adapters_off(family.network):
+            out_base = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale)
+            # A throwaway generator: the step's noise is not used, and the run's own streams must not move.
+            _, x0_base = family.step(scheduler, out_base, t, x_t, 0.0, torch.Generator().manual_seed(0))
+        terms.append(x0_kl(denoised.all_pred_x0[i], x0_base, family.x0_kl_weight(scheduler, t)))
+    return terms[0] if len(terms) == 1 else torch.stack(terms).mean()
 
 
 def pretrain_loss(
@@ -466,13 +472,17 @@ def train(cfg: ReFLConfig) -> None:
                         *inputs,
                         lv_copies=cfg.draft_lv,
                         checkpoint_network=cfg.backprop_checkpointing,
+                        keep_trajectory=cfg.kl_weight > 0,
                         **common,
                     )
                 loss = out.loss
                 sums["refl"] += out.loss.item() / gas
                 # ---- regularisers ----
                 if cfg.kl_weight > 0:
-                    kl = kl_to_base(family, scheduler, out.denoised, k, cond, uncond, cfg.guidance_scale)
+                    kl_steps = k if backprop is None else draft_grad_steps(cfg.num_inference_steps, k)
+                    kl = kl_to_base(
+                        family, scheduler, out.denoised, kl_steps, cond, uncond, cfg.guidance_scale
+                    )
                     loss = loss + cfg.kl_weight * kl
                     sums["kl"] += kl.item() / gas
                 if pretrain_data is not None:

@@ -113,7 +113,9 @@ class ReFLConfig(CommonConfig):
     )
     pretrain_batch_size: int = field_(1, "Images of --pretrain_data_dir per micro-batch, per GPU.")
     kl_weight: float = field_(
-        0.0, "Weight of the KL term to the base model (LoRA disabled) at the grad step; LoRA only."
+        0.0,
+        "Weight of the KL term to the base model (LoRA disabled) at the grad step (DRaFT / AlignProp: the mean over "
+        "the K grad steps); LoRA only, not with --draft_lv.",
     )
     image_log_steps: int = field_(
         50, "Log a grid of the predicted x0 images every N optimizer steps (0 = off).", group="logging"
@@ -164,10 +166,10 @@ class ReFLConfig(CommonConfig):
                     f"--draft_lv {self.draft_lv} re-noises the last step only (DRaFT-LV is DRaFT-1): drop "
                     f"--backprop_steps {self.backprop_steps} or set it to 1."
                 )
-            if self.kl_weight > 0:
+            if self.kl_weight > 0 and self.draft_lv:
                 raise UserError(
-                    "--kl_weight is ReFL's regulariser at its one grad step; with --backprop_steps / --draft_lv "
-                    "set it to 0."
+                    "--kl_weight is taken at the sampler's own grad steps; DRaFT-LV's re-noised copies have none: "
+                    "with --draft_lv set it to 0."
                 )
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
