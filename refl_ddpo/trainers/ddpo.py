@@ -18,9 +18,10 @@ One epoch (the algorithm of ddpo-pytorch `scripts/train.py`, commit 1958463, wri
    accumulate over the trained timesteps and `train_gradient_accumulation_steps` micro-batches per optimizer step.
 
 DDPO-SF (the plain score-function estimator) is the configuration `--train_clip_range inf --train_num_inner_epochs 1`.
-GRPO (refl_ddpo.trainers.grpo, a `GRPOConfig`) is this loop with the epoch's prompts in groups (`epoch_groups`, one
-shared x_T per group with --same_noise_per_group), group advantages in step 3 and, with --sde_window, stochastic
-steps only in a window (drawn per epoch) that is all that step 4 trains on.
+GRPO (refl_ddpo.trainers.grpo) is this loop with its own epoch plan (the prompts in groups, one shared x_T per
+group with --same_noise_per_group, with --sde_window stochastic steps only in a window drawn per epoch, all that
+step 4 trains on) and group advantages in step 3. The run around the epochs (set-up, resume, validation,
+checkpoints, the final weights) is refl_ddpo.trainers.skeleton's.
 All randomness of an epoch (prompts, noise, shuffles) comes from generators seeded by (seed, epoch, process), so a
 run resumed from `checkpoint-N` repeats epochs N+1... exactly as the uninterrupted run would.
 """
@@ -31,31 +32,18 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from refl_ddpo.algorithms.policy import (
-    PerPromptStatTracker,
-    compute_advantages,
-    group_advantages,
-    ppo_clip_loss,
-    zero_std_group_fraction,
-)
+from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages, ppo_clip_loss
 from refl_ddpo.errors import UserError, cli_main
 from refl_ddpo.families import Cond, ModelFamily, cond_expand
-from refl_ddpo.rollouts import (
-    STEP_KEYS,
-    collect_rewards,
-    draw_window_start,
-    epoch_groups,
-    sample_epoch,
-    shuffle_samples,
-    stack_samples,
-)
+from refl_ddpo.rollouts import STEP_KEYS, collect_rewards, sample_epoch, shuffle_samples, stack_samples
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
-from refl_ddpo.trainers.grpo_config import GRPOConfig, check_group_arithmetic, group_sizes
+from refl_ddpo.trainers.skeleton import Algorithm, Run, main_for, run_training
 from refl_ddpo.training import seeded_generator, stream_seed
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
@@ -247,279 +235,256 @@ def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.T
     return finite
 
 
-def preflight(cfg: DDPOConfig) -> Path | None:
-    """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
-    from refl_ddpo.hub import check_push
-    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
-    from refl_ddpo.rewards import check_reward_files
-    from refl_ddpo.runs import start_run
-    from refl_ddpo.validation import check_validation_prompts
+@dataclass
+class EpochPlan:
+    """What an epoch samples: this process' prompt source, and for GRPO its samples' group ids (N,), their initial
+    noise (N, C, h, w) and the SDE window (start, length)."""
 
-    check_pretrained_model(cfg.pretrained_model)
-    check_reward_files(cfg.reward, cfg.reward_model_dir)
-    check_validation_prompts(cfg)
-    check_push(cfg)
-    resolve_lora_targets(cfg)  # before start_run, which records them
-    return start_run(cfg, cfg.ALGORITHM, "num_epochs")  # output_dir free or continued; the checkpoint fits
+    prompt_fn: Callable[[], tuple[str, dict]]
+    groups: torch.Tensor | None = None
+    initial_noise: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
 
 
-def grouped_epoch(
-    cfg: GRPOConfig, family: ModelFamily, epoch: int, rank: int, num_processes: int, dtype: torch.dtype
-):
-    """GRPO's epoch plan, the same on every process: this process' prompt_fn (its slice of the groups), the group id
-    of each of its samples (N,), their initial noise (one x_T per group with --same_noise_per_group, else None),
-    and the SDE window (start, length) or None."""
-    from refl_ddpo.prompts import get_prompt_fn
+@dataclass
+class ScoredEpoch:
+    """An epoch's samples after scoring: this process' advantages (N,) and the gathered, finite rewards' stats."""
 
-    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
-    num_groups = per_process * num_processes // cfg.group_size
-    prompt_fn = get_prompt_fn(  # one stream for all processes: every one of them draws the same groups
-        cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-        seed=stream_seed(cfg.seed, epoch, 0, 3),
-    )
-    samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
-    mine = slice(rank * per_process, (rank + 1) * per_process)
-    local = iter(samples[mine])
-    noise = None
-    if cfg.same_noise_per_group:
-        group_noise = [
-            family.initial_noise(1, cfg.resolution, seeded_generator(cfg.seed, epoch, 4, g), dtype)
-            for g in range(num_groups)
-        ]
-        noise = torch.cat([group_noise[g] for g in group_ids[mine].tolist()])
-    window = None
-    if cfg.sde_window:
-        start = cfg.sde_window_start
-        if start is None:
-            last = cfg.sample_num_steps - cfg.train_skip_last_steps  # the window ends at or before this step
-            start = draw_window_start(seeded_generator(cfg.seed, epoch, 5), last, cfg.sde_window)
-        window = (start, cfg.sde_window)
-    return (lambda: next(local)), group_ids[mine], noise, window
+    batches: list
+    advantages: torch.Tensor
+    stats: dict[str, float]
+    num_rewards: int
+    dropped: int
 
 
-def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:
-    """Run DDPO (or GRPO, with a `GRPOConfig`) as configured; returns the output folder (final LoRA + config.json
-    at its top)."""
-    import time
+class DDPO(Algorithm):
+    """DDPO's parts for the run skeleton (refl_ddpo.trainers.skeleton); GRPO (refl_ddpo.trainers.grpo) overrides
+    the epoch plan and the advantages."""
 
-    from accelerate.utils import gather_object, set_seed
+    name = "ddpo"
+    unit = "epoch"
+    iterations_field = "num_epochs"
 
-    from refl_ddpo.progress import progress_bar, run_clock
-    from refl_ddpo.prompts import get_prompt_fn
-    from refl_ddpo.rewards import build_reward, parse_reward_spec, reward_stats
-    from refl_ddpo.training import (
-        check_identical_weights,
-        load_checkpoint,
-        load_trainable_family,
-        make_accelerator,
-        make_optimizer,
-        nonfinite_step_error,
-        print_config,
-        save_checkpoint,
-        save_final,
-        start_trackers,
-    )
+    def __init__(self, cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None):
+        super().__init__(cfg)
+        self.image_samples_hook = image_samples_hook
+        self.global_step = 0  # optimizer steps so far
 
-    resume = preflight(cfg)
-    name = cfg.ALGORITHM  # "ddpo" or "grpo": metric keys, trackers
-    grouped = isinstance(cfg, GRPOConfig)
-    accelerator = make_accelerator(cfg, cfg.train_gradient_accumulation_steps * num_train_timesteps(cfg))
-    main, rank = accelerator.is_main_process, accelerator.process_index
-    if grouped:  # the config's check read WORLD_SIZE; a launcher that does not set it is caught here
-        check_group_arithmetic(cfg, accelerator.num_processes)
-    repo_id = None
-    if cfg.push_to_hub and main:
-        from refl_ddpo.hub import create_hub_repo
+    # ---- set-up ----
 
-        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
+    def accumulation_steps(self) -> int:
+        return self.cfg.train_gradient_accumulation_steps * num_train_timesteps(self.cfg)
 
-    # ---- models ----
-    set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
-    family, params, dtype = load_trainable_family(accelerator, cfg)
-    scheduler = family.policy_scheduler()  # DDIM (SD 1.x) or flow matching with Flow-GRPO's SDE step (SD3)
-    family.pipe.scheduler = scheduler
-    if cfg.kl_weight > 0 and scheduler.config.get("clip_sample", False):
-        raise UserError(
-            f"--kl_weight needs a scheduler with clip_sample=False (Stable Diffusion's); "
-            f"{cfg.pretrained_model} clips x0: use --kl_weight 0."
+    def setup(self, run: Run) -> None:
+        from refl_ddpo.rewards import build_reward
+
+        cfg = self.cfg
+        self.scheduler = (
+            run.family.policy_scheduler()
+        )  # DDIM (SD 1.x) or flow matching with Flow-GRPO's SDE step
+        run.family.pipe.scheduler = self.scheduler
+        if cfg.kl_weight > 0 and self.scheduler.config.get("clip_sample", False):
+            raise UserError(
+                f"--kl_weight needs a scheduler with clip_sample=False (Stable Diffusion's); "
+                f"{cfg.pretrained_model} clips x0: use --kl_weight 0."
+            )
+        vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
+        options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
+        run.reward = build_reward(
+            cfg.reward, run.accelerator.device, run.dtype, cfg.reward_model_dir, options=options
         )
-    optimizer = make_optimizer(params, cfg)
-    network, optimizer = accelerator.prepare(family.network, optimizer)
-    vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
-    options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
-    reward = build_reward(cfg.reward, accelerator.device, dtype, cfg.reward_model_dir, options=options)
-    uncond, _ = family.encode_prompts([""], with_negative=False)  # batch 1
-    tracker = (
-        PerPromptStatTracker(cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count)
-        if cfg.per_prompt_stat_tracking
-        else None
-    )
-    hook = image_samples_hook or default_image_hook(accelerator, f"{name}/samples")
-    start_trackers(accelerator, cfg, name)
-    if main:
-        print_config(
-            cfg,
-            {
-                **epoch_sizes(cfg, accelerator.num_processes),
-                **(group_sizes(cfg, accelerator.num_processes) if grouped else {}),
-                "processes": accelerator.num_processes,
-                "resume from": resume,
-            },
+        self.uncond, _ = run.family.encode_prompts([""], with_negative=False)  # batch 1
+        self.stat_tracker = (
+            PerPromptStatTracker(
+                cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count
+            )
+            if cfg.per_prompt_stat_tracking
+            else None
         )
 
-    # ---- resume ----
-    first_epoch, global_step = 0, 0
-    if resume is not None:
-        counters, _ = load_checkpoint(accelerator, resume)
-        first_epoch, global_step = int(counters["epoch"]), int(counters["global_step"])
-        if tracker is not None and counters.get("stat_tracker"):
-            tracker.load_state_dict(counters["stat_tracker"])
-        accelerator.print(
-            f"resumed from {resume}: {first_epoch} epoch(s) done, {global_step} optimizer step(s)"
+    def describe(self, run: Run) -> dict:
+        return epoch_sizes(self.cfg, run.accelerator.num_processes)
+
+    # ---- state ----
+
+    @property
+    def validation_every(self) -> int:
+        return self.cfg.validation_epochs
+
+    def log_step(self, done: int) -> int:
+        return self.global_step
+
+    def checkpoint_due(self, done: int) -> bool:
+        return done % self.cfg.save_freq == 0 or done == self.cfg.num_epochs
+
+    def state(self, run: Run, done: int) -> tuple[dict, dict]:
+        tracker = self.stat_tracker
+        counters = {
+            "epoch": done,
+            "global_step": self.global_step,
+            "stat_tracker": tracker.state_dict() if tracker is not None else None,
+        }
+        return counters, {}
+
+    def load_state(self, run: Run, counters: dict, tensors: dict) -> int:
+        self.global_step = int(counters["global_step"])
+        if self.stat_tracker is not None and counters.get("stat_tracker"):
+            self.stat_tracker.load_state_dict(counters["stat_tracker"])
+        return int(counters["epoch"])
+
+    def resumed(self, start: int) -> str:
+        return f": {start} epoch(s) done, {self.global_step} optimizer step(s)"
+
+    # ---- the loop ----
+
+    def begin(self, run: Run, start: int) -> None:
+        import time
+
+        cfg = self.cfg
+        self.hook = self.image_samples_hook or default_image_hook(run.accelerator, f"{self.name}/samples")
+        self.executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
+        self.train_uncond = self.uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
+        self.first_epoch, self.started = start, time.perf_counter()
+
+    def end(self, run: Run) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def finish(self, run: Run) -> dict[str, int]:
+        return {"epochs": self.cfg.num_epochs, "optimizer steps": self.global_step}
+
+    def iteration(self, run: Run, epoch: int) -> None:
+        """One epoch: sample with the current weights, score, advantages over all processes, PPO on the samples."""
+        plan = self.plan_epoch(run, epoch)
+        batches = self.sample(run, epoch, plan)
+        scored = self.score(run, epoch, plan, batches)
+        self.report(run, epoch, scored)
+        self.train(run, epoch, plan, scored)
+
+    # ---- the parts of one epoch ----
+
+    def plan_epoch(self, run: Run, epoch: int) -> EpochPlan:
+        """This process' prompts for the epoch, from a stream seeded by (seed, epoch, process): resumable."""
+        from refl_ddpo.prompts import get_prompt_fn
+
+        cfg = self.cfg
+        source = cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn
+        return EpochPlan(get_prompt_fn(source, seed=stream_seed(cfg.seed, epoch, run.rank, 0)))
+
+    def advantages(
+        self, run: Run, plan: EpochPlan, rewards: torch.Tensor, prompts: list[str], finite: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The finite gathered rewards' advantages (per-prompt stats, or the batch's), and stats to log."""
+        kept = [p for p, ok in zip(prompts, finite.tolist()) if ok]
+        return compute_advantages(rewards[finite], kept, self.stat_tracker, self.cfg.train_adv_clip_max), {}
+
+    def sample(self, run: Run, epoch: int, plan: EpochPlan) -> list:
+        """The epoch's trajectories with log-probabilities, rewards scored (in a thread pool with async rewards)."""
+        cfg = self.cfg
+        run.network.eval()
+        with self.phase_bar(run, epoch, "sampling", cfg.sample_num_batches_per_epoch, "batch") as bar:
+            batches = sample_epoch(
+                run.family,
+                self.scheduler,
+                plan.prompt_fn,
+                run.reward,
+                self.uncond,
+                batch_size=cfg.sample_batch_size,
+                num_batches=cfg.sample_num_batches_per_epoch,
+                num_steps=cfg.sample_num_steps,
+                guidance_scale=cfg.sample_guidance_scale,
+                eta=cfg.sample_eta,
+                resolution=cfg.resolution,
+                generator=seeded_generator(cfg.seed, epoch, run.rank, 1),
+                network=run.network,
+                autocast=run.accelerator.autocast,
+                executor=self.executor,
+                initial_noise=plan.initial_noise,
+                sde_window=plan.window,
+                on_batch=lambda _, tick=bar.update: tick(1),
+            )
+        collect_rewards(batches)
+        return batches
+
+    def score(self, run: Run, epoch: int, plan: EpochPlan, batches: list) -> ScoredEpoch:
+        """Rewards gathered over all processes, the non-finite guard, advantages; this process' share of them."""
+        from accelerate.utils import gather_object
+
+        from refl_ddpo.rewards import parse_reward_spec, reward_stats
+
+        cfg, accelerator, name = self.cfg, run.accelerator, self.name
+        local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
+        all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
+        all_prompts = gather_object([p for b in batches for p in b.prompts])
+        finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
+        advantages = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
+        advantages[finite], extra = self.advantages(run, plan, all_rewards, all_prompts, finite)
+        parts = {
+            part: accelerator.gather(
+                torch.cat([b.rewards[1][part].float() for b in batches]).to(accelerator.device)
+            ).cpu()[finite]
+            for part, _ in parse_reward_spec(cfg.reward)
+            if part in batches[0].rewards[1]
+        }
+        stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **extra}
+        dropped = len(all_rewards) - int(finite.sum())
+        if cfg.nonfinite_rewards == "drop":
+            stats[f"{name}/nonfinite_rewards_dropped"] = dropped
+        mine = advantages.reshape(accelerator.num_processes, -1)[run.rank]  # this process' samples
+        return ScoredEpoch(batches, mine, stats, len(all_rewards), dropped)
+
+    def report(self, run: Run, epoch: int, scored: ScoredEpoch) -> None:
+        """The epoch's reward stats to the trackers and the log line; its images to the hook (main process)."""
+        import time
+
+        from refl_ddpo.progress import run_clock
+
+        cfg, accelerator = self.cfg, run.accelerator
+        accelerator.log({**scored.stats, f"{self.name}/epoch": epoch}, step=self.global_step)
+        if not run.main:
+            return
+        clock = run_clock(
+            time.perf_counter() - self.started, epoch + 1 - self.first_epoch, cfg.num_epochs - epoch - 1
+        )
+        print(
+            f"epoch {epoch + 1}/{cfg.num_epochs} ({clock}): {scored.num_rewards} rewards from "
+            f"{accelerator.num_processes} process(es)"
+            + (f" ({scored.dropped} non-finite, dropped), " if scored.dropped else ", ")
+            + ", ".join(f"{k} {v:.4g}" for k, v in scored.stats.items()),
+            flush=True,
+        )
+        self.hook(
+            [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in scored.batches],
+            self.global_step,
+            accelerator.trackers[0] if accelerator.trackers else None,
         )
 
-    from refl_ddpo.validation import make_validator
+    def train(self, run: Run, epoch: int, plan: EpochPlan, scored: ScoredEpoch) -> None:
+        """`train_num_inner_epochs` passes of PPO over the epoch's samples, one bar tick per optimizer step."""
+        from refl_ddpo.training import nonfinite_step_error
 
-    validator = make_validator(
-        accelerator,
-        family,
-        reward,
-        cfg,
-        every=cfg.validation_epochs,
-        unit="epoch",
-        last=cfg.num_epochs,
-        start=first_epoch,
-    )
-    if validator is not None and first_epoch == 0:
-        validator(0, global_step)  # the baseline: the base model (LoRA starts at zero)
+        cfg = self.cfg
+        samples = stack_samples(scored.batches, scored.advantages)
+        scored.batches.clear()
+        steps_per_epoch = epoch_sizes(cfg, run.accelerator.num_processes)["optimizer steps per epoch"]
+        with self.phase_bar(run, epoch, "training", steps_per_epoch, "step") as bar:
 
-    executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
-    train_uncond = uncond if cfg.train_cfg and cfg.sample_guidance_scale > 1.0 else None
-    steps_per_epoch = epoch_sizes(cfg, accelerator.num_processes)["optimizer steps per epoch"]
-    started = time.perf_counter()
+            def step_done(info: dict[str, float]) -> None:
+                bar.set_postfix({k: f"{info[k]:.3g}" for k in POSTFIX_KEYS if k in info}, refresh=False)
+                bar.update(1)
 
-    def phase_bar(epoch: int, phase: str, total: int, unit: str):
-        """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
-        return progress_bar(
-            total,
-            f"epoch {epoch + 1}/{cfg.num_epochs} {phase}",
-            unit=unit,
-            leave=False,
-            enabled=accelerator.is_local_main_process,
-        )
-
-    def step_done(info: dict[str, float]) -> None:
-        """One tick of the epoch's training bar per optimizer step, its metrics as the postfix."""
-        bar.set_postfix({k: f"{info[k]:.3g}" for k in POSTFIX_KEYS if k in info}, refresh=False)
-        bar.update(1)
-
-    try:
-        for epoch in range(first_epoch, cfg.num_epochs):
-            # ---- sampling (prompts, noise and shuffles seeded by (seed, epoch, process): resumable) ----
-            network.eval()
-            initial_noise, window = None, None
-            if grouped:
-                prompt_fn, local_groups, initial_noise, window = grouped_epoch(
-                    cfg, family, epoch, rank, accelerator.num_processes, dtype
-                )
-            else:
-                prompt_fn = get_prompt_fn(
-                    cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-                    seed=stream_seed(cfg.seed, epoch, rank, 0),
-                )
-            with phase_bar(epoch, "sampling", cfg.sample_num_batches_per_epoch, "batch") as bar:
-                batches = sample_epoch(
-                    family,
-                    scheduler,
-                    prompt_fn,
-                    reward,
-                    uncond,
-                    batch_size=cfg.sample_batch_size,
-                    num_batches=cfg.sample_num_batches_per_epoch,
-                    num_steps=cfg.sample_num_steps,
-                    guidance_scale=cfg.sample_guidance_scale,
-                    eta=cfg.sample_eta,
-                    resolution=cfg.resolution,
-                    generator=seeded_generator(cfg.seed, epoch, rank, 1),
-                    network=network,
-                    autocast=accelerator.autocast,
-                    executor=executor,
-                    initial_noise=initial_noise,
-                    sde_window=window,
-                    on_batch=lambda _, tick=bar.update: tick(1),
-                )
-            collect_rewards(batches)
-
-            # ---- rewards -> advantages, over all processes ----
-            local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
-            all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
-            all_prompts = gather_object([p for b in batches for p in b.prompts])
-            finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
-            advantages = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
-            group_stats = {}
-            if grouped:
-                all_groups = accelerator.gather(local_groups.to(accelerator.device)).cpu()  # (P * N,)
-                advantages[finite] = group_advantages(
-                    all_rewards[finite], all_groups[finite], cfg.global_std, cfg.train_adv_clip_max
-                )
-                group_stats[f"{name}/zero_std_groups"] = zero_std_group_fraction(
-                    all_rewards[finite], all_groups[finite]
-                )
-                if window is not None:
-                    group_stats[f"{name}/sde_window_start"] = window[0]
-            else:
-                advantages[finite] = compute_advantages(
-                    all_rewards[finite],
-                    [p for p, ok in zip(all_prompts, finite.tolist()) if ok],
-                    tracker,
-                    cfg.train_adv_clip_max,
-                )
-            advantages = advantages.reshape(accelerator.num_processes, -1)[rank]  # this process' samples
-            parts = {
-                name: accelerator.gather(
-                    torch.cat([b.rewards[1][name].float() for b in batches]).to(accelerator.device)
-                ).cpu()[finite]
-                for name, _ in parse_reward_spec(cfg.reward)
-                if name in batches[0].rewards[1]
-            }
-            stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **group_stats}
-            dropped = len(all_rewards) - int(finite.sum())
-            if cfg.nonfinite_rewards == "drop":
-                stats[f"{name}/nonfinite_rewards_dropped"] = dropped
-            accelerator.log({**stats, f"{name}/epoch": epoch}, step=global_step)
-            if main:
-                clock = run_clock(
-                    time.perf_counter() - started, epoch + 1 - first_epoch, cfg.num_epochs - epoch - 1
-                )
-                print(
-                    f"epoch {epoch + 1}/{cfg.num_epochs} ({clock}): {len(all_rewards)} rewards from "
-                    f"{accelerator.num_processes} process(es)"
-                    + (f" ({dropped} non-finite, dropped), " if dropped else ", ")
-                    + ", ".join(f"{k} {v:.4g}" for k, v in stats.items()),
-                    flush=True,
-                )
-                hook(
-                    [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in batches],
-                    global_step,
-                    accelerator.trackers[0] if accelerator.trackers else None,
-                )
-
-            # ---- training ----
-            samples = stack_samples(batches, advantages)
-            del batches
-            bar = phase_bar(epoch, "training", steps_per_epoch, "step")
             for inner_epoch in range(cfg.train_num_inner_epochs):
                 try:
                     steps = train_on_samples(
-                        family,
-                        network,
-                        scheduler,
+                        run.family,
+                        run.network,
+                        self.scheduler,
                         samples,
-                        train_uncond,
-                        accelerator,
-                        optimizer,
-                        params,
-                        seeded_generator(cfg.seed, epoch, rank, 2, inner_epoch),
+                        self.train_uncond,
+                        run.accelerator,
+                        run.optimizer,
+                        run.params,
+                        seeded_generator(cfg.seed, epoch, run.rank, 2, inner_epoch),
                         num_steps=cfg.sample_num_steps,
                         batch_size=cfg.train_batch_size,
                         num_train_steps=num_train_timesteps(cfg),
@@ -529,59 +494,48 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
                         kl_weight=cfg.kl_weight,
                         max_grad_norm=cfg.max_grad_norm,
                         # a window's trajectory holds its steps only, all trainable
-                        skip_last_steps=0 if window is not None else cfg.train_skip_last_steps,
+                        skip_last_steps=0 if plan.window is not None else cfg.train_skip_last_steps,
                         on_step=step_done,
                     )
                 except FloatingPointError as e:
                     bar.close()
                     raise nonfinite_step_error(
-                        cfg,
-                        f"{e} in epoch {epoch + 1}",
-                        "lower --learning_rate, or check the reward",
+                        cfg, f"{e} in epoch {epoch + 1}", "lower --learning_rate, or check the reward"
                     ) from None
                 for info in steps:
-                    accelerator.log(
-                        {f"{name}/{k}": v for k, v in info.items()} | {f"{name}/inner_epoch": inner_epoch},
-                        step=global_step,
+                    run.accelerator.log(
+                        {f"{self.name}/{k}": v for k, v in info.items()}
+                        | {f"{self.name}/inner_epoch": inner_epoch},
+                        step=self.global_step,
                     )
-                    global_step += 1
-            bar.close()
+                    self.global_step += 1
 
-            # ---- validation, state ----
-            done = epoch + 1
-            if validator is not None and validator.due(done):
-                validator(done, global_step)
-            if done % cfg.save_freq == 0 or done == cfg.num_epochs:
-                counters = {
-                    "epoch": done,
-                    "global_step": global_step,
-                    "stat_tracker": tracker.state_dict() if tracker is not None else None,
-                }
-                save_checkpoint(accelerator, cfg, done, counters, {})
-    finally:
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+    def phase_bar(self, run: Run, epoch: int, phase: str, total: int, unit: str):
+        """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
+        from refl_ddpo.progress import progress_bar
 
-    save_final(
-        accelerator,
-        network,
-        cfg,
-        family,
-        name,
-        {"epochs": cfg.num_epochs, "optimizer steps": global_step},
-        repo_id,
-    )
-    check_identical_weights(accelerator, params)
-    accelerator.end_training()
-    return Path(cfg.output_dir)
+        return progress_bar(
+            total,
+            f"epoch {epoch + 1}/{self.cfg.num_epochs} {phase}",
+            unit=unit,
+            leave=False,
+            enabled=run.accelerator.is_local_main_process,
+        )
+
+
+def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:
+    """Run DDPO as configured; returns the output folder (final LoRA + config.json at its top)."""
+    return run_training(DDPO(cfg, image_samples_hook))
+
+
+def preflight(cfg: DDPOConfig) -> Path | None:
+    """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
+    return DDPO(cfg).preflight()
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    from refl_ddpo.config import parse_config
-    from refl_ddpo.training import run_or_preflight
-
-    run_or_preflight(train, parse_config(DDPOConfig, argv, description=__doc__), preflight)
+    main_for(DDPO, DDPOConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

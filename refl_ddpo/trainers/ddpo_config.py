@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
@@ -17,8 +17,6 @@ from refl_ddpo.rewards import parse_reward_spec
 @dataclass
 class DDPOConfig(CommonConfig):
     """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
-
-    ALGORITHM: ClassVar[str] = "ddpo"  # the trainer's name: run.json, trackers, metric keys (ddpo/loss ...)
 
     preset: str | None = field_(
         None,

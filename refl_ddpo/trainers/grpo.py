@@ -1,5 +1,5 @@
-"""GRPO (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470; DanceGRPO, Xue et al. 2025) with LoRA: DDPO's loop
-(refl_ddpo.trainers.ddpo) run with a `GRPOConfig`.
+"""GRPO (Flow-GRPO, Liu et al. 2025, arXiv 2505.05470; DanceGRPO, Xue et al. 2025) with LoRA: DDPO's epoch
+(refl_ddpo.trainers.ddpo) with GRPO's own epoch plan and advantages, on the shared run skeleton.
 
     bash train_scripts/train_grpo.sh [--preset toy_world|toy_world_sd3|flow_grpo_sd35m] [--flag ...]
 
@@ -25,19 +25,99 @@ prompts, group noise and window start come from generators seeded by (seed, epoc
 
 from __future__ import annotations
 
-from refl_ddpo.errors import cli_main
-from refl_ddpo.trainers.ddpo import preflight, train
-from refl_ddpo.trainers.grpo_config import GRPOConfig
+import torch
 
-__all__ = ["GRPOConfig", "main", "preflight", "train"]
+from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
+from refl_ddpo.errors import cli_main
+from refl_ddpo.families import ModelFamily
+from refl_ddpo.rollouts import draw_window_start, epoch_groups
+from refl_ddpo.trainers.ddpo import DDPO, EpochPlan
+from refl_ddpo.trainers.grpo_config import GRPOConfig, check_group_arithmetic, group_sizes
+from refl_ddpo.trainers.skeleton import Run, main_for, run_training
+from refl_ddpo.training import seeded_generator, stream_seed
+
+__all__ = ["GRPO", "GRPOConfig", "grouped_epoch", "main", "preflight", "train"]
+
+
+def grouped_epoch(
+    cfg: GRPOConfig, family: ModelFamily, epoch: int, rank: int, num_processes: int, dtype: torch.dtype
+):
+    """GRPO's epoch plan, the same on every process: this process' prompt_fn (its slice of the groups), the group id
+    of each of its samples (N,), their initial noise (one x_T per group with --same_noise_per_group, else None),
+    and the SDE window (start, length) or None."""
+    from refl_ddpo.prompts import get_prompt_fn
+
+    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
+    num_groups = per_process * num_processes // cfg.group_size
+    prompt_fn = get_prompt_fn(  # one stream for all processes: every one of them draws the same groups
+        cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
+        seed=stream_seed(cfg.seed, epoch, 0, 3),
+    )
+    samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
+    mine = slice(rank * per_process, (rank + 1) * per_process)
+    local = iter(samples[mine])
+    noise = None
+    if cfg.same_noise_per_group:
+        group_noise = [
+            family.initial_noise(1, cfg.resolution, seeded_generator(cfg.seed, epoch, 4, g), dtype)
+            for g in range(num_groups)
+        ]
+        noise = torch.cat([group_noise[g] for g in group_ids[mine].tolist()])
+    window = None
+    if cfg.sde_window:
+        start = cfg.sde_window_start
+        if start is None:
+            last = cfg.sample_num_steps - cfg.train_skip_last_steps  # the window ends at or before this step
+            start = draw_window_start(seeded_generator(cfg.seed, epoch, 5), last, cfg.sde_window)
+        window = (start, cfg.sde_window)
+    return (lambda: next(local)), group_ids[mine], noise, window
+
+
+class GRPO(DDPO):
+    """DDPO's epoch with GRPO's plan (groups, shared noise, the SDE window) and group advantages."""
+
+    name = "grpo"
+
+    def check_processes(self, num_processes: int) -> None:
+        # the config's check read WORLD_SIZE; a launcher that does not set it is caught here
+        check_group_arithmetic(self.cfg, num_processes)
+
+    def describe(self, run: Run) -> dict:
+        return {**super().describe(run), **group_sizes(self.cfg, run.accelerator.num_processes)}
+
+    def plan_epoch(self, run: Run, epoch: int) -> EpochPlan:
+        prompt_fn, groups, noise, window = grouped_epoch(
+            self.cfg, run.family, epoch, run.rank, run.accelerator.num_processes, run.dtype
+        )
+        return EpochPlan(prompt_fn, groups, noise, window)
+
+    def advantages(
+        self, run: Run, plan: EpochPlan, rewards: torch.Tensor, prompts: list[str], finite: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(r - the group's mean) / (std + 1e-4) over the gathered finite rewards; the share of groups with one
+        reward value and the SDE window's start, to log."""
+        accelerator, cfg = run.accelerator, self.cfg
+        groups = accelerator.gather(plan.groups.to(accelerator.device)).cpu()  # (P * N,)
+        advantages = group_advantages(rewards[finite], groups[finite], cfg.global_std, cfg.train_adv_clip_max)
+        stats = {f"{self.name}/zero_std_groups": zero_std_group_fraction(rewards[finite], groups[finite])}
+        if plan.window is not None:
+            stats[f"{self.name}/sde_window_start"] = plan.window[0]
+        return advantages, stats
+
+
+def train(cfg: GRPOConfig, image_samples_hook=None):
+    """Run GRPO as configured; returns the output folder (final LoRA + config.json at its top)."""
+    return run_training(GRPO(cfg, image_samples_hook))
+
+
+def preflight(cfg: GRPOConfig):
+    """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
+    return GRPO(cfg).preflight()
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    from refl_ddpo.config import parse_config
-    from refl_ddpo.training import run_or_preflight
-
-    run_or_preflight(train, parse_config(GRPOConfig, argv, description=__doc__), preflight)
+    main_for(GRPO, GRPOConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

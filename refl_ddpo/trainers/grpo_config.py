@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from refl_ddpo.config import field_
 from refl_ddpo.errors import UserError
@@ -17,8 +17,6 @@ class GRPOConfig(DDPOConfig):
     """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
     --group_size times and a sample's advantage is its reward against its group's. Defaults: DDPO's, with group
     advantages in place of the per-prompt buffer and two groups of 8 per epoch."""
-
-    ALGORITHM: ClassVar[str] = "grpo"
 
     sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
     sample_num_batches_per_epoch: int = field_(

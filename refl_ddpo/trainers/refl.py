@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Collection
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from refl_ddpo.errors import UserError, cli_main
 from refl_ddpo.families import Cond, ModelFamily
 from refl_ddpo.sampling import DenoiseOutput, denoise
 from refl_ddpo.trainers.refl_config import ReFLConfig, resolve_gradient_accumulation
+from refl_ddpo.trainers.skeleton import Algorithm, Run, main_for, run_training
 
 # The k generator's seed is `seed + K_STREAM_OFFSET`, so that its draws never coincide with the stream of a
 # process's own generator (seeded `seed + rank`), in this run or in a run with a nearby seed.
@@ -251,320 +252,324 @@ def pretrain_loss(
 # --------------------------------------------------------------------------------------------------------------
 
 
-def preflight(cfg: ReFLConfig):
-    """Everything checkable before a model is loaded: (cfg, prompts, pretrain data, resume path, world size)."""
-    from refl_ddpo.hub import check_push
-    from refl_ddpo.image_captions import PretrainData
-    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
-    from refl_ddpo.prompts import resolve_prompts
-    from refl_ddpo.rewards import check_reward_files
-    from refl_ddpo.runs import start_run
-    from refl_ddpo.validation import check_validation_prompts
-
-    check_pretrained_model(cfg.pretrained_model)
-    resolve_lora_targets(cfg)  # before start_run, which records them
-    check_reward_files(cfg.reward, cfg.reward_model_dir)
-    prompts = resolve_prompts(cfg.prompts_file)
-    check_validation_prompts(cfg)
-    check_push(cfg)
-    pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
-    world_size = int(
-        os.environ.get("WORLD_SIZE", "1")
-    )  # set by accelerate launch / torchrun for every process
-    cfg = resolve_gradient_accumulation(cfg, world_size)
-    resume_path = start_run(cfg, "refl", "max_train_steps")  # output_dir free or continued; checkpoint fits
-    return cfg, prompts, pretrain_data, resume_path, world_size
+def draw_k(cfg: ReFLConfig, k_generator: torch.Generator) -> int:
+    """This optimizer step's K, the same on every process: ReFL's grad step k ~ U{k_lo..k_hi}; DRaFT-K's fixed K
+    (no draw); AlignProp's K ~ U{lo..hi} steps with grad at the end of the run."""
+    backprop = cfg.backprop_range()
+    if backprop is None:
+        return int(torch.randint(cfg.k_lo, cfg.k_hi + 1, (), generator=k_generator))
+    lo, hi = backprop
+    return lo if lo == hi else int(torch.randint(lo, hi + 1, (), generator=k_generator))
 
 
-def train(cfg: ReFLConfig) -> None:
-    from accelerate.utils import set_seed
-    from diffusers.optimization import get_scheduler
+@dataclass
+class MicroBatch:
+    """One micro-batch's result: the loss to backpropagate, its parts (for the logs) and the gathered rewards."""
 
-    from refl_ddpo.progress import progress_bar
-    from refl_ddpo.rewards import count_nonfinite, reward_stats
-    from refl_ddpo.training import (
-        load_checkpoint,
-        load_trainable_family,
-        log_image_grid,
-        make_accelerator,
-        make_optimizer,
-        nonfinite_step_error,
-        print_config,
-        save_checkpoint,
-        save_final,
-        start_trackers,
-        weights_digest,
-    )
+    loss: torch.Tensor
+    parts: dict[str, float]
+    rewards: torch.Tensor  # (processes * B,), gathered
+    out: ReFLStepOutput
+    prompts: list[str]
 
-    cfg, prompts, pretrain_data, resume_path, world_size = preflight(cfg)
-    accelerator = make_accelerator(cfg, cfg.gradient_accumulation_steps)
-    if accelerator.num_processes != world_size:  # the batch arithmetic above assumed WORLD_SIZE processes
-        raise UserError(
-            f"accelerate runs {accelerator.num_processes} process(es) but WORLD_SIZE is {world_size}; "
-            "start the trainer with train_scripts/train_refl_lora.sh or accelerate launch."
+
+class ReFL(Algorithm):
+    """ReFL's parts for the run skeleton (refl_ddpo.trainers.skeleton); DRaFT-K, DRaFT-LV and AlignProp are its
+    `--backprop_steps` / `--draft_lv` strategies (`draw_k`, `draft_step`)."""
+
+    name = "refl"
+    unit = "step"
+    iterations_field = "max_train_steps"
+
+    # ---- set-up ----
+
+    def check(self) -> None:
+        import os
+
+        from refl_ddpo.image_captions import PretrainData
+        from refl_ddpo.prompts import resolve_prompts
+
+        cfg = self.cfg
+        self.prompts = resolve_prompts(cfg.prompts_file)
+        self.pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+        self.cfg = resolve_gradient_accumulation(cfg, self.world_size)
+
+    def accumulation_steps(self) -> int:
+        return self.cfg.gradient_accumulation_steps
+
+    def check_processes(self, num_processes: int) -> None:
+        if num_processes != self.world_size:  # the batch arithmetic assumed WORLD_SIZE processes
+            raise UserError(
+                f"accelerate runs {num_processes} process(es) but WORLD_SIZE is {self.world_size}; "
+                "start the trainer with train_scripts/train_refl_lora.sh or accelerate launch."
+            )
+
+    def setup(self, run: Run) -> None:
+        cfg, family = self.cfg, run.family
+        self.scheduler = family.rollout_scheduler(cfg.scheduler)
+        if self.pretrain_data is not None and family.network_name != "unet":
+            raise UserError(
+                f"--pretrain_loss_weight {cfg.pretrain_loss_weight}: the pretraining loss is written for SD "
+                f"1.x/2.x (UNet, epsilon/v) models, not {family.name}; set it to 0."
+            )
+        # forward process of the pretraining loss
+        self.noise_scheduler = family.scheduler("DDPMScheduler") if self.pretrain_data is not None else None
+        if cfg.vae_gradient_checkpointing:
+            family.vae.enable_gradient_checkpointing()
+        run.reward = build_refl_reward(cfg, run.accelerator.device, run.dtype)
+        # random streams: k alike on all processes; prompts and noise per process
+        self.k_generator = torch.Generator().manual_seed(cfg.seed + K_STREAM_OFFSET)
+        self.generator = torch.Generator().manual_seed(cfg.seed + run.rank)
+
+    def setup_optimizer(self, run: Run) -> None:
+        from diffusers.optimization import get_scheduler
+
+        cfg = self.cfg
+        # Stepped once per optimizer step by us (not through accelerate, which steps it once per process).
+        self.lr_scheduler = get_scheduler(
+            cfg.lr_scheduler,
+            run.optimizer,
+            num_warmup_steps=cfg.lr_warmup_steps,
+            num_training_steps=cfg.max_train_steps,
         )
-    rank, device = accelerator.process_index, accelerator.device
-    repo_id = None
-    if cfg.push_to_hub and accelerator.is_main_process:
-        from refl_ddpo.hub import create_hub_repo
+        self.ema = None
+        if cfg.use_ema:
+            from diffusers.training_utils import EMAModel
 
-        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
-    set_seed(cfg.seed)  # the same LoRA init on every process (DDP also broadcasts rank 0's weights)
+            self.ema = EMAModel(run.params, decay=cfg.ema_decay)
+            self.ema.to(run.accelerator.device)
 
-    # ---- models ----
-    family, params, dtype = load_trainable_family(accelerator, cfg)
-    scheduler = family.rollout_scheduler(cfg.scheduler)
-    if pretrain_data is not None and family.network_name != "unet":
-        raise UserError(
-            f"--pretrain_loss_weight {cfg.pretrain_loss_weight}: the pretraining loss is written for SD 1.x/2.x "
-            f"(UNet, epsilon/v) models, not {family.name}; set it to 0."
+    def describe(self, run: Run) -> dict:
+        cfg, family, processes = self.cfg, run.family, run.accelerator.num_processes
+        batch, gas, side = (
+            cfg.train_batch_size,
+            cfg.gradient_accumulation_steps,
+            cfg.resolution // family.vae_scale_factor,
         )
-    # forward process of the pretraining loss
-    noise_scheduler = family.scheduler("DDPMScheduler") if pretrain_data is not None else None
-    if cfg.vae_gradient_checkpointing:
-        family.vae.enable_gradient_checkpointing()
-    reward = build_refl_reward(cfg, device, dtype)
-    optimizer = make_optimizer(params, cfg)
-    # Stepped once per optimizer step by us (not through accelerate, which steps it once per process).
-    lr_scheduler = get_scheduler(
-        cfg.lr_scheduler,
-        optimizer,
-        num_warmup_steps=cfg.lr_warmup_steps,
-        num_training_steps=cfg.max_train_steps,
-    )
-    ema = None
-    if cfg.use_ema:
-        from diffusers.training_utils import EMAModel
+        return {
+            "model family": family.name,
+            "sampler": type(self.scheduler).__name__,
+            "reward backprop": _describe_backprop(cfg),
+            "images per optimizer step": f"{batch} per process x {gas} accumulation x {processes} process(es) = "
+            f"{batch * gas * processes}",
+            "trainable parameters": sum(p.numel() for p in run.params),
+            "training prompts": len(self.prompts),
+            "latents": f"({family.network.config.in_channels}, {side}, {side})",
+        }
 
-        ema = EMAModel(params, decay=cfg.ema_decay)
-        ema.to(device)
-    # The network goes through prepare so that DDP all-reduces its gradients: every forward with grad must call
-    # `network` (the wrapper), never `family.network`, or the wrapper would not know about the backward pass.
-    network, optimizer = accelerator.prepare(family.network, optimizer)
+    # ---- state ----
 
-    # ---- random streams: k alike on all processes; prompts and noise per process ----
-    k_generator = torch.Generator().manual_seed(cfg.seed + K_STREAM_OFFSET)
-    generator = torch.Generator().manual_seed(cfg.seed + rank)
-    start_step = 0
-    if resume_path is not None:
-        counters, tensors = load_checkpoint(accelerator, resume_path)
-        start_step = int(counters["step"])
-        k_generator.set_state(tensors["k_generator"])
-        generator.set_state(tensors[f"generator/rank{rank}"])
-        lr_scheduler.load_state_dict(counters["lr_scheduler"])
-        if ema is not None:
-            shadow = [tensors[f"ema/{i}"].to(device) for i in range(len(params))]
-            ema.load_state_dict({**counters["ema"], "shadow_params": shadow})
-        accelerator.print(f"resumed from {resume_path} at step {start_step}")
-    elif cfg.resume_from_checkpoint:
-        accelerator.print(f"no checkpoint-N in {cfg.output_dir} yet: starting at step 0")
+    @property
+    def validation_every(self) -> int:
+        return self.cfg.validation_steps
 
-    # ---- start ----
-    gas, batch = cfg.gradient_accumulation_steps, cfg.train_batch_size
-    do_cfg = cfg.guidance_scale > 1.0
-    start_trackers(accelerator, cfg, "refl")
-    if accelerator.is_main_process:
-        side = cfg.resolution // family.vae_scale_factor
-        print_config(
-            cfg,
-            {
-                "model family": family.name,
-                "sampler": type(scheduler).__name__,
-                "reward backprop": _describe_backprop(cfg),
-                "processes": accelerator.num_processes,
-                "images per optimizer step": f"{batch} per process x {gas} accumulation x {accelerator.num_processes} "
-                f"process(es) = {batch * gas * accelerator.num_processes}",
-                "trainable parameters": sum(p.numel() for p in params),
-                "training prompts": len(prompts),
-                "latents": f"({family.network.config.in_channels}, {side}, {side})",
-            },
-        )
-    checksum_file = None
-    if cfg.debug_lora_checksums:
-        checksum_file = Path(cfg.output_dir) / CHECKSUM_DIR / f"lora_checksums_rank{rank}.jsonl"
-        checksum_file.parent.mkdir(parents=True, exist_ok=True)
-        if start_step == 0:
-            checksum_file.write_text("")
-    from refl_ddpo.validation import make_validator
+    @contextmanager
+    def validation_weights(self, run: Run):
+        """The EMA's weights in an EMA run (they are the result), the current ones otherwise."""
+        if self.ema is not None:
+            self.ema.store(run.params)
+            self.ema.copy_to(run.params)
+        try:
+            yield
+        finally:
+            if self.ema is not None:
+                self.ema.restore(run.params)
 
-    validator = make_validator(
-        accelerator,
-        family,
-        reward,
-        cfg,
-        every=cfg.validation_steps,
-        unit="step",
-        last=cfg.max_train_steps,
-        start=start_step,
-    )
+    def checkpoint_due(self, done: int) -> bool:
+        cfg = self.cfg
+        every = cfg.checkpointing_steps and done % cfg.checkpointing_steps == 0
+        return bool(every) or (
+            cfg.push_to_hub and done == cfg.max_train_steps
+        )  # the hub repo gets the last state
 
-    def validate(count: int) -> None:
-        """Validation of the current weights (the EMA's in an EMA run: they are the result)."""
-        if ema is not None:
-            ema.store(params)
-            ema.copy_to(params)
-        validator(count, count)
-        if ema is not None:
-            ema.restore(params)
-
-    def checkpoint(global_step: int) -> None:
-        states = accelerator.gather(generator.get_state().to(device)[None]).cpu()  # [processes, state bytes]
-        tensors = {"k_generator": k_generator.get_state()}
+    def state(self, run: Run, done: int) -> tuple[dict, dict]:
+        accelerator = run.accelerator
+        states = accelerator.gather(
+            self.generator.get_state().to(accelerator.device)[None]
+        ).cpu()  # [P, bytes]
+        tensors = {"k_generator": self.k_generator.get_state()}
         tensors.update({f"generator/rank{r}": states[r] for r in range(accelerator.num_processes)})
         counters = {
-            "step": global_step,
+            "step": done,
             "num_processes": accelerator.num_processes,
-            "lr_scheduler": lr_scheduler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
         }
-        if ema is not None:
-            ema_state = ema.state_dict()
+        if self.ema is not None:
+            ema_state = self.ema.state_dict()
             tensors.update({f"ema/{i}": p for i, p in enumerate(ema_state.pop("shadow_params"))})
             counters["ema"] = ema_state
-        path = save_checkpoint(accelerator, cfg, global_step, counters, tensors)
-        if accelerator.is_local_main_process:
-            progress.write(f"saved {path}")
+        return counters, tensors
 
-    if validator is not None and start_step == 0:
-        validate(0)  # the baseline: the base model (LoRA starts at zero)
-    progress = progress_bar(
-        total=cfg.max_train_steps,
-        initial=start_step,
-        desc="ReFL",
-        unit="step",
-        enabled=accelerator.is_local_main_process,
-    )
+    def load_state(self, run: Run, counters: dict, tensors: dict) -> int:
+        self.k_generator.set_state(tensors["k_generator"])
+        self.generator.set_state(tensors[f"generator/rank{run.rank}"])
+        self.lr_scheduler.load_state_dict(counters["lr_scheduler"])
+        if self.ema is not None:
+            shadow = [tensors[f"ema/{i}"].to(run.accelerator.device) for i in range(len(run.params))]
+            self.ema.load_state_dict({**counters["ema"], "shadow_params": shadow})
+        return int(counters["step"])
 
-    network.train()
-    backprop = cfg.backprop_range()  # None: ReFL; (lo, hi): DRaFT-K (lo = hi) or AlignProp
-    for step in range(start_step, cfg.max_train_steps):
-        if backprop is None:  # ReFL: the one grad step k
-            k = int(torch.randint(cfg.k_lo, cfg.k_hi + 1, (), generator=k_generator))
-        elif backprop[0] == backprop[1]:  # DRaFT-K: k steps with grad, no draw
-            k = backprop[0]
-        else:  # AlignProp: k steps with grad, drawn alike on every process
-            k = int(torch.randint(backprop[0], backprop[1] + 1, (), generator=k_generator))
-        sums = {"refl": 0.0, "pretrain": 0.0, "kl": 0.0}
-        rewards_seen = []
-        lr = lr_scheduler.get_last_lr()[0]  # the lr this step's update uses
-        grad_norm = torch.zeros(())
-        for _ in range(gas):
-            with accelerator.accumulate(network):
-                # ---- one micro-batch: prompts, noise, the ReFL step ----
-                idx = torch.randint(len(prompts), (batch,), generator=generator).tolist()
-                batch_prompts = [prompts[i][0] for i in idx]
-                metadata = [dict(prompts[i][1]) for i in idx]
-                cond, uncond = family.encode_prompts(batch_prompts, with_negative=do_cfg)
-                noise = family.initial_noise(batch, cfg.resolution, generator, cond["prompt_embeds"].dtype)
-                common = {
-                    "num_inference_steps": cfg.num_inference_steps,
-                    "guidance_scale": cfg.guidance_scale,
-                    "margin": cfg.margin,
-                    "grad_scale": cfg.grad_scale,
-                    "eta": cfg.eta,
-                    "generator": generator,
-                    "network": network,
-                }
-                inputs = (family, scheduler, reward, cond, uncond, batch_prompts, metadata, noise, k)
-                if backprop is None:
-                    out = refl_step(*inputs, keep_trajectory=cfg.kl_weight > 0, **common)
-                else:
-                    out = draft_step(
-                        *inputs,
-                        lv_copies=cfg.draft_lv,
-                        checkpoint_network=cfg.backprop_checkpointing,
-                        keep_trajectory=cfg.kl_weight > 0,
-                        **common,
-                    )
-                loss = out.loss
-                sums["refl"] += out.loss.item() / gas
-                # ---- regularisers ----
-                if cfg.kl_weight > 0:
-                    kl_steps = k if backprop is None else draft_grad_steps(cfg.num_inference_steps, k)
-                    kl = kl_to_base(
-                        family, scheduler, out.denoised, kl_steps, cond, uncond, cfg.guidance_scale
-                    )
-                    loss = loss + cfg.kl_weight * kl
-                    sums["kl"] += kl.item() / gas
-                if pretrain_data is not None:
-                    pidx = torch.randint(len(pretrain_data), (cfg.pretrain_batch_size,), generator=generator)
-                    images, captions = pretrain_data.batch(pidx.tolist(), cfg.resolution)
-                    pl = pretrain_loss(family, network, noise_scheduler, images, captions, generator)
-                    loss = loss + cfg.pretrain_loss_weight * pl
-                    sums["pretrain"] += pl.item() / gas
-                # gathered now, so that every process sees a non-finite reward and stops together
-                rewards_seen.append(accelerator.gather(out.rewards.detach()))
-                bad = count_nonfinite(rewards_seen[-1])
-                if bad:
-                    progress.close()  # the error's line starts a line of its own
-                    raise nonfinite_step_error(
-                        cfg,
-                        f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of "
-                        f"{len(rewards_seen[-1])} samples at step {step + 1}",
-                        "check the reward and its files in --reward_model_dir",
-                    )
-                # ---- update ----
-                accelerator.backward(loss)  # divides by gas; DDP all-reduces on the last micro-batch
+    def resumed(self, start: int) -> str:
+        return f" at step {start}"
+
+    # ---- the loop ----
+
+    def begin(self, run: Run, start: int) -> None:
+        from refl_ddpo.progress import progress_bar
+
+        cfg = self.cfg
+        self.checksum_file = None
+        if cfg.debug_lora_checksums:
+            self.checksum_file = Path(cfg.output_dir) / CHECKSUM_DIR / f"lora_checksums_rank{run.rank}.jsonl"
+            self.checksum_file.parent.mkdir(parents=True, exist_ok=True)
+            if start == 0:
+                self.checksum_file.write_text("")
+        self.progress = progress_bar(
+            total=cfg.max_train_steps,
+            initial=start,
+            desc="ReFL",
+            unit="step",
+            enabled=run.accelerator.is_local_main_process,
+        )
+        run.network.train()
+
+    def end(self, run: Run) -> None:
+        self.progress.close()
+
+    def finish(self, run: Run) -> dict[str, int]:
+        if self.ema is not None:
+            self.ema.copy_to(run.params)  # the averaged weights are the result of an EMA run
+        return {"optimizer steps": self.cfg.max_train_steps}
+
+    def iteration(self, run: Run, step: int) -> None:
+        """One optimizer step: K drawn, `gradient_accumulation_steps` micro-batches backpropagated, the update."""
+        cfg, accelerator = self.cfg, run.accelerator
+        k = draw_k(cfg, self.k_generator)
+        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step's update uses
+        grad_norm, results = torch.zeros(()), []
+        for _ in range(cfg.gradient_accumulation_steps):
+            with accelerator.accumulate(run.network):
+                results.append(self.micro_batch(run, step, k))
+                accelerator.backward(
+                    results[-1].loss
+                )  # divides by gas; DDP all-reduces on the last micro-batch
                 if accelerator.sync_gradients:
                     # the pre-clipping norm of the all-reduced gradient (no clipping when max_grad_norm is 0)
-                    grad_norm = accelerator.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
-                    if not math.isfinite(float(grad_norm)):  # the same on every process: all stop
-                        progress.close()
-                        raise nonfinite_step_error(
-                            cfg,
-                            f"the gradient norm is {float(grad_norm)} at step {step + 1} (ReFL loss "
-                            f"{sums['refl']:.4g})",
-                            "lower --learning_rate or --grad_scale, or check the reward's gradient",
-                        )
-                optimizer.step()
+                    grad_norm = accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm or math.inf)
+                    self.check_grad_norm(float(grad_norm), step, results)
+                run.optimizer.step()
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.step(params)
-        global_step = step + 1
+                    self.lr_scheduler.step()
+                run.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step(run.params)
+        self.log(run, step + 1, k, lr, float(grad_norm), results)
 
-        # ---- logging (means over all processes) ----
-        rewards_all = torch.cat(rewards_seen).cpu()  # [gas * processes * B], gathered per micro-batch
+    def micro_batch(self, run: Run, step: int, k: int) -> MicroBatch:
+        """Prompts and noise from this process' generator, the rollout with gradient at K, the loss with its
+        regularisers; a non-finite reward on any process stops every process (the rewards are gathered)."""
+        from refl_ddpo.rewards import count_nonfinite
+        from refl_ddpo.training import nonfinite_step_error
+
+        cfg, family, generator = self.cfg, run.family, self.generator
+        idx = torch.randint(len(self.prompts), (cfg.train_batch_size,), generator=generator).tolist()
+        prompts = [self.prompts[i][0] for i in idx]
+        metadata = [dict(self.prompts[i][1]) for i in idx]
+        cond, uncond = family.encode_prompts(prompts, with_negative=cfg.guidance_scale > 1.0)
+        noise = family.initial_noise(
+            cfg.train_batch_size, cfg.resolution, generator, cond["prompt_embeds"].dtype
+        )
+        common = {
+            "num_inference_steps": cfg.num_inference_steps,
+            "guidance_scale": cfg.guidance_scale,
+            "margin": cfg.margin,
+            "grad_scale": cfg.grad_scale,
+            "eta": cfg.eta,
+            "generator": generator,
+            "keep_trajectory": cfg.kl_weight > 0,
+            "network": run.network,
+        }
+        inputs = (family, self.scheduler, run.reward, cond, uncond, prompts, metadata, noise, k)
+        if cfg.backprop_range() is None:
+            out, kl_steps = refl_step(*inputs, **common), k
+        else:
+            out = draft_step(
+                *inputs, lv_copies=cfg.draft_lv, checkpoint_network=cfg.backprop_checkpointing, **common
+            )
+            kl_steps = draft_grad_steps(cfg.num_inference_steps, k)
+        loss, parts = out.loss, {"refl": out.loss.item(), "kl": 0.0, "pretrain": 0.0}
+        # ---- regularisers ----
+        if cfg.kl_weight > 0:
+            kl = kl_to_base(family, self.scheduler, out.denoised, kl_steps, cond, uncond, cfg.guidance_scale)
+            loss = loss + cfg.kl_weight * kl
+            parts["kl"] = kl.item()
+        if self.pretrain_data is not None:
+            pidx = torch.randint(len(self.pretrain_data), (cfg.pretrain_batch_size,), generator=generator)
+            images, captions = self.pretrain_data.batch(pidx.tolist(), cfg.resolution)
+            pl = pretrain_loss(family, run.network, self.noise_scheduler, images, captions, generator)
+            loss = loss + cfg.pretrain_loss_weight * pl
+            parts["pretrain"] = pl.item()
+        # gathered now, so that every process sees a non-finite reward and stops together
+        rewards = run.accelerator.gather(out.rewards.detach())
+        bad = count_nonfinite(rewards)
+        if bad:
+            self.progress.close()  # the error's line starts a line of its own
+            raise nonfinite_step_error(
+                cfg,
+                f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of {len(rewards)} samples at "
+                f"step {step + 1}",
+                "check the reward and its files in --reward_model_dir",
+            )
+        return MicroBatch(loss, parts, rewards, out, prompts)
+
+    def check_grad_norm(self, grad_norm: float, step: int, results: list[MicroBatch]) -> None:
+        """Stop before the update when the (all-reduced: the same on every process) gradient norm is not finite."""
+        from refl_ddpo.training import nonfinite_step_error
+
+        if not math.isfinite(grad_norm):
+            self.progress.close()
+            loss = sum(r.parts["refl"] for r in results) / self.cfg.gradient_accumulation_steps
+            raise nonfinite_step_error(
+                self.cfg,
+                f"the gradient norm is {grad_norm} at step {step + 1} (ReFL loss {loss:.4g})",
+                "lower --learning_rate or --grad_scale, or check the reward's gradient",
+            )
+
+    def log(self, run: Run, global_step: int, k: int, lr: float, grad_norm: float, results: list[MicroBatch]):
+        """Means over micro-batches and processes to the trackers and the bar; images and weight checksums."""
+        from refl_ddpo.rewards import reward_stats
+        from refl_ddpo.training import log_image_grid, weights_digest
+
+        cfg, accelerator = self.cfg, run.accelerator
+        gas = cfg.gradient_accumulation_steps
+        sums = {key: sum(r.parts[key] / gas for r in results) for key in ("refl", "kl", "pretrain")}
+        rewards_all = torch.cat([r.rewards for r in results]).cpu()  # [gas * processes * B]
         losses = accelerator.gather(
-            torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=device)[None]
+            torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=accelerator.device)[None]
         )
         losses = losses.mean(0).tolist()
         stats = reward_stats(cfg.reward, rewards_all)
-        logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": float(grad_norm)}
-        logs["refl/k" if backprop is None else "refl/backprop_steps"] = k
+        logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": grad_norm}
+        logs["refl/k" if cfg.backprop_range() is None else "refl/backprop_steps"] = k
         if cfg.kl_weight > 0:
             logs["refl/kl"] = losses[1]
-        if pretrain_data is not None:
+        if self.pretrain_data is not None:
             logs["refl/pretrain_loss"] = losses[2]
         accelerator.log(logs, step=global_step)
         mean_key = next(iter(stats))
-        progress.set_postfix(
+        self.progress.set_postfix(
             loss=f"{logs['refl/loss']:.4g}", reward=f"{stats[mean_key]:.3f}", k=k, refresh=False
         )
-        progress.update(1)  # draws the postfix with it
+        self.progress.update(1)  # draws the postfix with it
+        last = results[-1]
         if cfg.image_log_steps and global_step % cfg.image_log_steps == 0:
-            captions = [f"{p} | r={r:.2f}" for p, r in zip(batch_prompts, out.rewards.tolist())]
-            log_image_grid(accelerator, "refl/pred_x0", out.images, captions, global_step)
-        if checksum_file is not None:
-            record = {"step": global_step, "sha256": weights_digest(params), "refl_loss": sums["refl"]}
-            with checksum_file.open("a") as f:
+            captions = [f"{p} | r={r:.2f}" for p, r in zip(last.prompts, last.out.rewards.tolist())]
+            log_image_grid(accelerator, "refl/pred_x0", last.out.images, captions, global_step)
+        if self.checksum_file is not None:
+            record = {"step": global_step, "sha256": weights_digest(run.params), "refl_loss": sums["refl"]}
+            with self.checksum_file.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-
-        # ---- validation, checkpoint ----
-        if validator is not None and validator.due(global_step):
-            validate(global_step)
-        saved = cfg.checkpointing_steps and global_step % cfg.checkpointing_steps == 0
-        if saved or (
-            cfg.push_to_hub and global_step == cfg.max_train_steps
-        ):  # the hub repo gets the last state
-            checkpoint(global_step)
-    progress.close()
-
-    # ---- final weights: always, at the top of output_dir ----
-    if ema is not None:
-        ema.copy_to(params)  # the averaged weights are the result of an EMA run
-    save_final(accelerator, network, cfg, family, "refl", {"optimizer steps": cfg.max_train_steps}, repo_id)
-    accelerator.end_training()
 
 
 def _describe_backprop(cfg: ReFLConfig) -> str:
@@ -579,16 +584,19 @@ def _describe_backprop(cfg: ReFLConfig) -> str:
     return f"{name}: the last K steps with grad{' (network checkpointed)' if checkpointed else ''}, final image scored"
 
 
-def _preflight_only(cfg: ReFLConfig) -> None:
-    preflight(cfg)
+def train(cfg: ReFLConfig) -> Path:
+    """Run ReFL (or DRaFT / AlignProp) as configured; returns the output folder."""
+    return run_training(ReFL(cfg))
+
+
+def preflight(cfg: ReFLConfig) -> Path | None:
+    """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
+    return ReFL(cfg).preflight()
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    from refl_ddpo.config import parse_config
-    from refl_ddpo.training import run_or_preflight
-
-    run_or_preflight(train, parse_config(ReFLConfig, argv, description=__doc__), _preflight_only)
+    main_for(ReFL, ReFLConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

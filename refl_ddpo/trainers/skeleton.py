@@ -1,0 +1,264 @@
+"""The run every trainer shares: an algorithm supplies its parts, `run_training` calls them at fixed points.
+
+    checks before any model loads    Algorithm.preflight (the shared checks, the algorithm's, claiming output_dir)
+    accelerator, hub repo            make_accelerator(accumulation), create_hub_repo
+    models                           set_seed; family + trainable weights; Algorithm.setup (sampler, reward, ...);
+                                     the optimizer; Algorithm.setup_optimizer (lr schedule, EMA); accelerate.prepare
+    start                            trackers; the resolved config printed; resume from checkpoint-N
+                                     (Algorithm.load_state); the baseline validation
+    loop, i = start .. iterations-1  Algorithm.iteration(run, i): one ReFL step, one DDPO / GRPO epoch (sampling,
+                                     training, logging and the non-finite guards inside); then validation when due
+                                     (with Algorithm.validation_weights) and checkpoint-N when due (Algorithm.state)
+    end                              Algorithm.finish; the final weights, config.json and model card; the hub; a
+                                     check that every process holds the same weights
+
+An algorithm is a subclass of `Algorithm` in its trainer module (refl.py, ddpo.py, grpo.py): adding one is a module
+with its config and parts, and a line in train_scripts/.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from refl_ddpo.config import CommonConfig
+from refl_ddpo.families import ModelFamily
+
+
+@dataclass
+class Run:
+    """What the skeleton built, handed to every part of the algorithm."""
+
+    cfg: CommonConfig
+    accelerator: Any
+    family: ModelFamily
+    params: list[torch.nn.Parameter]  # the trainable tensors (LoRA, or the whole network)
+    dtype: torch.dtype  # of the frozen weights
+    network: Any = (
+        None  # the prepared (DDP-wrapped on several processes) network: every forward with grad calls it
+    )
+    optimizer: Any = None  # the prepared optimizer
+    reward: Any = None  # refl_ddpo.rewards: (images, prompts, metadata) -> (rewards, parts)
+    extras: dict[str, Any] = field(default_factory=dict)  # for print_config
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+
+class Algorithm:
+    """The parts of one training algorithm. Subclasses set the class attributes and override what they need."""
+
+    name: ClassVar[str]  # metric prefix, tracker project, run records: "refl", "ddpo", "grpo"
+    unit: ClassVar[str]  # what one iteration is: "step" or "epoch"
+    iterations_field: ClassVar[str]  # the config field that counts iterations: max_train_steps, num_epochs
+
+    def __init__(self, cfg: CommonConfig):
+        self.cfg = cfg
+
+    # ---- before any model loads ----
+
+    def preflight(self) -> Path | None:
+        """Everything checkable before a model is loaded; claims output_dir; returns the checkpoint to resume from."""
+        from refl_ddpo.runs import start_run
+
+        shared_checks(self.cfg)
+        self.check()
+        return start_run(self.cfg, self.name, self.iterations_field)
+
+    def check(self) -> None:
+        """The algorithm's own checks before any model loads (after the shared ones, before output_dir is claimed)."""
+
+    def accumulation_steps(self) -> int:
+        """Backward passes per optimizer step on one process (accelerate's gradient_accumulation_steps)."""
+        raise NotImplementedError
+
+    def check_processes(self, num_processes: int) -> None:
+        """Refuse a process count the config's arithmetic does not fit (the launcher's, now known)."""
+
+    # ---- models ----
+
+    def setup(self, run: Run) -> None:
+        """The sampler, the reward (run.reward) and anything else the loop needs, before the optimizer is made."""
+
+    def setup_optimizer(self, run: Run) -> None:
+        """Anything built on the optimizer (an lr schedule) or the trainable weights (EMA), before prepare."""
+
+    def describe(self, run: Run) -> dict[str, Any]:
+        """Derived sizes to print beside the config."""
+        return {}
+
+    # ---- the loop ----
+
+    @property
+    def iterations(self) -> int:
+        return int(getattr(self.cfg, self.iterations_field))
+
+    @property
+    def validation_every(self) -> int:
+        raise NotImplementedError
+
+    def begin(self, run: Run, start: int) -> None:
+        """Before the first iteration of this start (progress bars, executors)."""
+
+    def iteration(self, run: Run, index: int) -> None:
+        """Iteration `index` (0-based): sample, score, update, log."""
+        raise NotImplementedError
+
+    def log_step(self, done: int) -> int:
+        """The tracker step at which a validation after `done` iterations is logged."""
+        return done
+
+    def validation_weights(self, run: Run) -> AbstractContextManager:
+        """The weights validation sees (EMA's, in an EMA run), for the duration of the context."""
+        return nullcontext()
+
+    def checkpoint_due(self, done: int) -> bool:
+        raise NotImplementedError
+
+    def state(self, run: Run, done: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(counters as JSON, tensors) that checkpoint-N keeps beside accelerate's state."""
+        raise NotImplementedError
+
+    def load_state(self, run: Run, counters: dict, tensors: dict[str, torch.Tensor]) -> int:
+        """Restore `state`'s output; returns the iterations already done."""
+        raise NotImplementedError
+
+    def resumed(self, start: int) -> str:
+        """What the 'resumed from checkpoint-N' line says after the path."""
+        return f": {start} {self.unit}(s) done"
+
+    def end(self, run: Run) -> None:
+        """After the last iteration of this start, or on the way out of an error."""
+
+    def finish(self, run: Run) -> dict[str, int]:
+        """After the loop, before the final save (EMA's weights in place); returns the progress for the model card."""
+        return {}
+
+
+def shared_checks(cfg: CommonConfig) -> None:
+    """The checks every trainer makes before a model is loaded: the base model, the LoRA targets (resolved here: the
+    run records them), the reward's files, the validation prompts, the hub settings."""
+    from refl_ddpo.hub import check_push
+    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
+    from refl_ddpo.rewards import check_reward_files
+    from refl_ddpo.validation import check_validation_prompts
+
+    check_pretrained_model(cfg.pretrained_model)
+    resolve_lora_targets(cfg)
+    check_reward_files(cfg.reward, cfg.reward_model_dir)
+    check_validation_prompts(cfg)
+    check_push(cfg)
+
+
+def run_training(algo: Algorithm) -> Path:
+    """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
+    from accelerate.utils import set_seed
+
+    from refl_ddpo.training import (
+        check_identical_weights,
+        load_checkpoint,
+        load_trainable_family,
+        make_accelerator,
+        make_optimizer,
+        print_config,
+        save_checkpoint,
+        save_final,
+        start_trackers,
+    )
+    from refl_ddpo.validation import make_validator
+
+    resume = algo.preflight()
+    cfg = algo.cfg  # as the preflight resolved it
+    accelerator = make_accelerator(cfg, algo.accumulation_steps())
+    algo.check_processes(accelerator.num_processes)
+    repo_id = None
+    if cfg.push_to_hub and accelerator.is_main_process:
+        from refl_ddpo.hub import create_hub_repo
+
+        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
+
+    # ---- models ----
+    set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
+    family, params, dtype = load_trainable_family(accelerator, cfg)
+    run = Run(cfg, accelerator, family, params, dtype)
+    algo.setup(run)
+    run.optimizer = make_optimizer(params, cfg)
+    algo.setup_optimizer(run)
+    run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
+
+    # ---- start ----
+    start_trackers(accelerator, cfg, algo.name)
+    if accelerator.is_main_process:
+        print_config(
+            cfg, {**algo.describe(run), "processes": accelerator.num_processes, "resume from": resume}
+        )
+    start = 0
+    if resume is not None:
+        start = algo.load_state(run, *load_checkpoint(accelerator, resume))
+        accelerator.print(f"resumed from {resume}{algo.resumed(start)}")
+    elif cfg.resume_from_checkpoint:
+        accelerator.print(f"no checkpoint-N in {cfg.output_dir} yet: starting at {algo.unit} 0")
+    validator = make_validator(
+        accelerator,
+        family,
+        run.reward,
+        cfg,
+        every=algo.validation_every,
+        unit=algo.unit,
+        last=algo.iterations,
+        start=start,
+    )
+
+    def validate(done: int) -> None:
+        with algo.validation_weights(run):
+            validator(done, algo.log_step(done))
+
+    if validator is not None and start == 0:
+        validate(0)  # the baseline: the base model (LoRA starts at zero)
+
+    # ---- the loop ----
+    algo.begin(run, start)
+    try:
+        for index in range(start, algo.iterations):
+            algo.iteration(run, index)
+            done = index + 1
+            if validator is not None and validator.due(done):
+                validate(done)
+            if algo.checkpoint_due(done):
+                path = save_checkpoint(accelerator, cfg, done, *algo.state(run, done))
+                if accelerator.is_local_main_process:
+                    from tqdm.auto import tqdm
+
+                    tqdm.write(f"saved {path}")
+    finally:
+        algo.end(run)
+
+    # ---- the result: always, at the top of output_dir ----
+    progress = algo.finish(run)
+    save_final(accelerator, run.network, cfg, family, algo.name, progress, repo_id)
+    check_identical_weights(accelerator, params)
+    accelerator.end_training()
+    return Path(cfg.output_dir)
+
+
+def main_for(algorithm: type[Algorithm], config_cls: type, argv: list[str] | None, description: str) -> None:
+    """A trainer's command line: parse the layered flags, then train (or, under launch.sh's preflight, only check)."""
+    from refl_ddpo.config import parse_config
+    from refl_ddpo.training import run_or_preflight
+
+    def train(cfg):
+        return run_training(algorithm(cfg))
+
+    def preflight(cfg):
+        algorithm(cfg).preflight()
+
+    run_or_preflight(train, parse_config(config_cls, argv, description=description), preflight)
