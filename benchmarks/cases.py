@@ -28,7 +28,7 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
     on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.refl import draft_step, refl_step
+        from refl_ddpo.backprop import draft_step, refl_step
 
         if sd3_t5 is None:
             base_unet, params = b.trainable_unet(mode)

@@ -26,11 +26,11 @@ from refl_ddpo.errors import UserError
 from refl_ddpo.families import load_family
 from refl_ddpo.families.base import cond_expand
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.ppo import step_log_prob, train_on_samples
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.rollouts import sample_epoch, shuffle_samples, stack_samples
 from refl_ddpo.steps.ddim import ddim_step_kl
 from refl_ddpo.trainers import ddpo
-from refl_ddpo.trainers.ddpo import step_log_prob, train_on_samples
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, num_train_timesteps, parse_ddpo_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,12 +20,12 @@ from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
 from refl_ddpo.families import load_family
 from refl_ddpo.lora import LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.ppo import train_on_samples
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.rollouts import draw_window_start, epoch_groups, sample_epoch, stack_samples
 from refl_ddpo.sampling import denoise
-from refl_ddpo.trainers.ddpo import train_on_samples
-from refl_ddpo.trainers.grpo import grouped_epoch
 from refl_ddpo.trainers.ddpo_config import num_train_timesteps
+from refl_ddpo.trainers.grpo import grouped_epoch
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,6 +13,7 @@ import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline
 from safetensors.torch import load_file
 
+from refl_ddpo.backprop import kl_to_base, refl_step
 from refl_ddpo.config import parse_config
 from refl_ddpo.families import load_family
 from refl_ddpo.families.sd import StableDiffusion
@@ -21,7 +22,7 @@ from refl_ddpo.prompts import DATA_DIR, load_prompts
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.sampling import denoise
 from refl_ddpo.trainers import refl
-from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward, kl_to_base, refl_step
+from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_refl_lora.sh"

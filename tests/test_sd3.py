@@ -278,9 +278,9 @@ def test_ddpo_first_update_on_sd3_is_on_policy(stock):
     from accelerate import Accelerator
 
     from refl_ddpo.algorithms.policy import batch_advantages
+    from refl_ddpo.ppo import train_on_samples
     from refl_ddpo.rewards import build_reward
     from refl_ddpo.rollouts import sample_epoch, stack_samples
-    from refl_ddpo.trainers.ddpo import train_on_samples
 
     torch.manual_seed(0)
     family = StableDiffusion3(stock)

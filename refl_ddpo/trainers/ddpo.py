@@ -28,8 +28,6 @@ run resumed from `checkpoint-N` repeats epochs N+1... exactly as the uninterrupt
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,10 +36,10 @@ from typing import Any
 
 import torch
 
-from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages, ppo_clip_loss
+from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages
 from refl_ddpo.errors import UserError, cli_main
-from refl_ddpo.families import Cond, ModelFamily, cond_expand
-from refl_ddpo.rollouts import STEP_KEYS, collect_rewards, sample_epoch, shuffle_samples, stack_samples
+from refl_ddpo.ppo import train_on_samples
+from refl_ddpo.rollouts import collect_rewards, sample_epoch, stack_samples
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
 from refl_ddpo.trainers.skeleton import Algorithm, Run, main_for, run_training
 from refl_ddpo.training import seeded_generator, stream_seed
@@ -49,147 +47,6 @@ from refl_ddpo.training import seeded_generator, stream_seed
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
 # [images (B, 3, H, W) in [0, 1], prompts, prompt_metadata, rewards (B,), reward_metadata] batches, newest last.
 ImageSamplesHook = Callable[[list[list[Any]], int, Any], None]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# training
-# --------------------------------------------------------------------------------------------------------------
-
-
-def step_log_prob(
-    family: ModelFamily,
-    scheduler,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    next_latents: torch.Tensor,
-    cond: Cond,
-    uncond: Cond | None,
-    guidance_scale: float,
-    eta: float,
-    network=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability (B,) of the stored `next_latents` under the current network, and the network's output.
-
-    latents / next_latents (B, C, h, w), timesteps (B,) (one per sample, after shuffling), `uncond` None: no CFG.
-    The scheduler must have `set_timesteps(sample_num_steps)`.
-    """
-    model_output = family.predict(latents, timesteps, scheduler, cond, uncond, guidance_scale, network)
-    _, log_prob, _ = family.step_with_logprob(
-        scheduler, model_output, timesteps, latents, eta, prev_sample=next_latents
-    )
-    return log_prob, model_output
-
-
-def train_on_samples(
-    family: ModelFamily,
-    network,
-    scheduler,
-    samples: dict[str, torch.Tensor],
-    uncond: Cond | None,
-    accelerator,
-    optimizer,
-    params: list[torch.nn.Parameter],
-    generator: torch.Generator,
-    *,
-    num_steps: int,
-    batch_size: int,
-    num_train_steps: int,
-    guidance_scale: float,
-    eta: float,
-    clip_range: float,
-    kl_weight: float = 0.0,
-    max_grad_norm: float = 0.0,
-    skip_last_steps: int = 0,
-    on_step: Callable[[dict[str, float]], None] | None = None,
-) -> list[dict[str, float]]:
-    """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
-
-    `network` is the prepared (possibly DDP-wrapped) network and `optimizer` the prepared optimizer (it steps only
-    when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
-    x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
-    trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
-    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
-    also handed to `on_step` as each step ends (a progress bar); besides `ratio` (the mean importance ratio) it holds
-    `ratio_by_step/NN`, the mean ratio of the samples trained at sampler step NN (0 = the first), for each step the
-    optimizer step trained on. A non-finite gradient norm raises FloatingPointError before the update (on every
-    process alike).
-    """
-    from refl_ddpo.lora import adapters_off
-
-    schedule = family.set_timesteps(scheduler, num_steps, samples["latents"])
-    schedule = schedule.to(samples["timesteps"].device)
-    if not torch.isin(samples["timesteps"], schedule).all():
-        raise ValueError("the samples' timesteps are not those of a num_steps schedule")
-    samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
-    n = samples["timesteps"].shape[0]
-    cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
-    uncond = None if uncond is None else cond_expand(uncond, batch_size)
-    base = accelerator.unwrap_model(network)
-    results, acc = [], defaultdict(list)
-    # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
-    step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)
-    network.train()
-    for start in range(0, n, batch_size):
-        batch = {k: v[start : start + batch_size] for k, v in samples.items()}
-        cond = {k: batch[k] for k in cond_keys}
-        for j in range(num_train_steps):
-            x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]
-            with accelerator.accumulate(network):
-                with accelerator.autocast():
-                    log_prob, model_output = step_log_prob(
-                        family,
-                        scheduler,
-                        x_t,
-                        t,
-                        batch["next_latents"][:, j],
-                        cond,
-                        uncond,
-                        guidance_scale,
-                        eta,
-                        network,
-                    )
-                    loss, info = ppo_clip_loss(
-                        log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range
-                    )
-                    if kl_weight > 0:
-                        with adapters_off(base):
-                            ref_output = family.predict(
-                                x_t, t, scheduler, cond, uncond, guidance_scale, network
-                            )
-                        kl = family.step_kl(scheduler, model_output, ref_output, t, eta).mean()
-                        info["kl"] = kl.detach()
-                        loss = loss + kl_weight * kl
-                info["loss"] = loss.detach()
-                for k, v in info.items():
-                    acc[k].append(v)
-                # (B,) each sample's sampler step (0 = the first), its timestep's place in the schedule
-                step = (t[:, None] == schedule[None]).int().argmax(1).to(step_ratios.device)
-                ratio = torch.exp(log_prob.detach() - batch["log_probs"][:, j]).to(step_ratios)  # (B,)
-                step_ratios[0].index_add_(0, step, ratio)
-                step_ratios[1].index_add_(0, step, torch.ones_like(ratio))
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
-                    grad_norm = float(accelerator.clip_grad_norm_(params, max_grad_norm or math.inf))
-                    if not math.isfinite(grad_norm):
-                        raise FloatingPointError(
-                            f"the gradient norm is {grad_norm} (PPO loss {float(loss):.4g}, advantages in "
-                            f"[{float(batch['advantages'].min()):.3g}, {float(batch['advantages'].max()):.3g}])"
-                        )
-                optimizer.step()
-                optimizer.zero_grad()
-            if accelerator.sync_gradients:
-                means = accelerator.reduce(
-                    {k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean"
-                )
-                sums, counts = accelerator.reduce(step_ratios, reduction="sum").tolist()
-                by_step = {f"ratio_by_step/{i:02d}": r / c for i, (r, c) in enumerate(zip(sums, counts)) if c}
-                results.append({**{k: float(v) for k, v in means.items()}, **by_step, "grad_norm": grad_norm})
-                acc = defaultdict(list)
-                step_ratios.zero_()
-                if on_step is not None:
-                    on_step(results[-1])
-    return results
 
 
 # --------------------------------------------------------------------------------------------------------------

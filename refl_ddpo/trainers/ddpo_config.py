@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
-from refl_ddpo.prompts import DATA_DIR, check_prompt_source, load_prompts
-
-TOY_WORLD_DIR = DATA_DIR / "toy_world"
+from refl_ddpo.prompts import check_prompt_source, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
 
 
 @dataclass
@@ -168,14 +167,7 @@ class DDPOConfig(CommonConfig):
 
     def check(self) -> None:
         self.check_numbers()  # first: NaN != NaN would read as an alias disagreeing with its field
-        for alias, name in self.ALIASES.items():  # parse_config resolved them; built directly, fill them here
-            if getattr(self, alias) is None:
-                setattr(self, alias, getattr(self, name))
-            elif getattr(self, alias) != getattr(self, name):
-                raise UserError(
-                    f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
-                    f"--{alias} is an alias of --{name}: give only one of them."
-                )
+        self._check_aliases()
         super().check()
         if self.checkpointing_steps != 0:
             raise UserError(
@@ -194,6 +186,23 @@ class DDPOConfig(CommonConfig):
             "per_prompt_stat_tracking_min_count",
             "max_workers",
         )
+        self._check_batches()
+        self._check_ppo()
+        self._check_sources()
+
+    def _check_aliases(self) -> None:
+        """parse_config resolved the aliases; a config built directly fills them here, or refuses a disagreement."""
+        for alias, name in self.ALIASES.items():
+            if getattr(self, alias) is None:
+                setattr(self, alias, getattr(self, name))
+            elif getattr(self, alias) != getattr(self, name):
+                raise UserError(
+                    f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
+                    f"--{alias} is an alias of --{name}: give only one of them."
+                )
+
+    def _check_batches(self) -> None:
+        """The sampler is stochastic; an epoch's samples split into whole train batches and optimizer steps."""
         if self.sample_eta <= 0:
             raise UserError(
                 f"--sample_eta must be > 0 (got {self.sample_eta}): DDPO's step log-probabilities need "
@@ -217,6 +226,9 @@ class DDPOConfig(CommonConfig):
                 f"--train_gradient_accumulation_steps {self.train_gradient_accumulation_steps} = {per_step}): change "
                 "--sample_num_batches_per_epoch or --train_gradient_accumulation_steps."
             )
+
+    def _check_ppo(self) -> None:
+        """Which steps train, PPO's clip ranges, the per-prompt buffer, the KL to the base."""
         if not 0 < self.train_timestep_fraction <= 1:
             raise UserError(
                 f"--train_timestep_fraction must be in (0, 1] (got {self.train_timestep_fraction}); 1.0 "
@@ -248,6 +260,9 @@ class DDPOConfig(CommonConfig):
             raise UserError(
                 "--kl_weight (--beta) needs --use_lora: the base model is the UNet with the LoRA switched off."
             )
+
+    def _check_sources(self) -> None:
+        """The reward's server (VLM judges) and the prompt source, before any model loads."""
         for name, _ in parse_reward_spec(
             self.reward
         ):  # unknown names and bad weights fail here, before loading
@@ -292,98 +307,6 @@ DDPO_ALIASES = {
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
-
-# The toy world's 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, at epochs 0, 8 and 16:
-# 10 s per validation on a 2-core machine under a load of 9.
-TOY_VALIDATION = {
-    "validation_prompts_file": "toy_world_heldout",
-    "validation_epochs": 8,
-    "num_validation_images": 2,
-    "validation_num_steps": 20,
-}
-
-# ddpo-pytorch config/dgx.py: its experiments ran on 8 GPUs; the batch numbers below are per GPU, as there.
-_COMPRESSIBILITY = {
-    "num_epochs": 100,
-    "save_freq": 1,
-    "checkpoints_total_limit": None,
-    "use_lora": True,
-    "sample_batch_size": 8,
-    "sample_num_batches_per_epoch": 4,  # 8 GPUs x 8 x 4 = 256 samples per epoch
-    "train_batch_size": 4,
-    "train_gradient_accumulation_steps": 2,  # (8 x 4) / (4 x 2) = 4 optimizer steps per epoch
-    "prompt_fn": "imagenet_animals",
-    "reward": "jpeg_compressibility",
-    "per_prompt_stat_tracking": True,
-    "per_prompt_stat_tracking_buffer_size": 16,
-    "per_prompt_stat_tracking_min_count": 16,
-}
-DDPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world): its committed model, the programmatic colour reward, and the colour word
-    # green alone (toy_world_green: "a green circle", "a green square"; "a green triangle" is held out). It learns in
-    # 3 CPU minutes (docs/toy_world.md: MEASURED); it also draws the partner word's prompts green. On all 12
-    # training prompts a policy gradient needs ~10^4 images here: partner colours' gradients cancel but for their
-    # difference. It trains the cross-attention keys / values on the first 4 of 6 steps, where the colour is decided.
-    "toy_world": {
-        "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
-        "reward_model_dir": str(TOY_WORLD_DIR),
-        "reward": "toy_color_match",
-        "prompt_fn": "toy_world_green",
-        "resolution": 32,
-        "sample_num_steps": 6,
-        "sample_guidance_scale": 7.5,
-        "sample_batch_size": 16,
-        "sample_num_batches_per_epoch": 4,
-        "train_batch_size": 16,
-        "train_gradient_accumulation_steps": 2,
-        "train_timestep_fraction": 1.0,
-        "train_skip_last_steps": 2,
-        "train_clip_range": 0.2,
-        "lora_target_modules": ["attn2.to_k", "attn2.to_v"],
-        "learning_rate": 2e-3,  # 3e-3 learned faster on 4 of 5 seeds but collapsed on one (dirty images)
-        "per_prompt_stat_tracking": False,
-        "num_epochs": 16,
-        "save_freq": 8,
-        "checkpoints_total_limit": 1,
-        **TOY_VALIDATION,
-    },
-    "compressibility": _COMPRESSIBILITY,
-    "incompressibility": {**_COMPRESSIBILITY, "reward": "jpeg_incompressibility"},
-    "aesthetic": {  # harder to optimise: 2 optimizer steps per epoch, a longer buffer, 200 epochs
-        **_COMPRESSIBILITY,
-        "num_epochs": 200,
-        "reward": "aesthetic",
-        "train_gradient_accumulation_steps": 4,
-        "prompt_fn": "simple_animals",
-        "per_prompt_stat_tracking_buffer_size": 32,
-    },
-    # ddpo-pytorch's LLaVA + BERTScore experiment: any VLM on an OpenAI-compatible server (OPENAI_BASE_URL) describes
-    # the image, BERTScore recall of the prompt is computed here (reward_model_dir/bertscore or roberta-large).
-    # ddpo-pytorch's prompts were "a(n) {animal} {activity}"; here the animals alone (simple_animals).
-    "prompt_image_alignment": {
-        **_COMPRESSIBILITY,
-        "reward": "vlm_bertscore",
-        "prompt_fn": "simple_animals",
-        "num_epochs": 200,
-        "sample_num_batches_per_epoch": 6,
-        "train_gradient_accumulation_steps": 6,
-        "per_prompt_stat_tracking_buffer_size": 32,
-    },
-}
-
-
-# The same on toy-sd3 (flow matching), as GRPO's toy_world_sd3: the flow SDE step at noise level 0.7, LoRA on the
-# text stream's keys and values, the colour word cyan ("a cyan circle" held out), lr 3e-3. 16 epochs, twice GRPO's:
-# at 8 held-out accuracy varied from seed to seed (0.36 / 0.72), at 16 it rose on every seed measured, 0.234 ->
-# 0.81-1.00 over 6 seeds (docs/toy_world.md).
-DDPO_PRESETS["toy_world_sd3"] = {
-    **DDPO_PRESETS["toy_world"],
-    "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
-    "prompt_fn": "toy_world_cyan",
-    "sample_eta": 0.7,
-    "lora_target_modules": ["add_k_proj", "add_v_proj"],
-    "learning_rate": 3e-3,
-}
 
 DDPOConfig.ALIASES = DDPO_ALIASES
 DDPOConfig.PRESETS = DDPO_PRESETS

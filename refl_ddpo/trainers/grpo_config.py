@@ -9,7 +9,8 @@ from typing import Any
 
 from refl_ddpo.config import field_
 from refl_ddpo.errors import UserError
-from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, TOY_VALIDATION, TOY_WORLD_DIR, DDPOConfig
+from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, DDPOConfig
+from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 
 
 @dataclass

@@ -135,10 +135,14 @@ class ReFLConfig(CommonConfig):
 
     def check(self) -> None:
         super().check()
-        from refl_ddpo.rewards import REWARDS, available, is_differentiable, parse_reward_spec
-
-        T = self.num_inference_steps
         self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
+        self._check_steps()
+        self._check_rollout_and_reward()
+        self._check_optimizer_and_regularisers()
+
+    def _check_steps(self) -> None:
+        """ReFL's k range, or DRaFT / AlignProp's K and DRaFT-LV, against the sampler's steps."""
+        T = self.num_inference_steps
         reflk = self.backprop_range() is None  # k_lo / k_hi are ReFL's: unused (and unchecked) under DRaFT
         if reflk and self.k_lo < 0:
             raise UserError(f"--k_lo must be >= 0 (got {self.k_lo}).")
@@ -171,6 +175,11 @@ class ReFLConfig(CommonConfig):
                     "--kl_weight is taken at the sampler's own grad steps; DRaFT-LV's re-noised copies have none: "
                     "with --draft_lv set it to 0."
                 )
+
+    def _check_rollout_and_reward(self) -> None:
+        """The sampler's eta and CFG; a reward that carries gradient, and ImageReward's options only with it."""
+        from refl_ddpo.rewards import REWARDS, available, is_differentiable, parse_reward_spec
+
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
         if self.guidance_scale < 1:
@@ -189,6 +198,9 @@ class ReFLConfig(CommonConfig):
                 "--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
                 f"--reward {self.reward} does not include."
             )
+
+    def _check_optimizer_and_regularisers(self) -> None:
+        """Batch, lr schedule, EMA, the KL and pretraining regularisers, logging, 8-bit Adam."""
         if self.total_batch_size is not None and self.total_batch_size <= 0:
             raise UserError(f"--total_batch_size must be > 0 (got {self.total_batch_size}).")
         if self.lr_warmup_steps < 0:
@@ -235,6 +247,18 @@ class ReFLConfig(CommonConfig):
                 f"--backprop_steps {self.backprop_steps!r}: expected K (DRaFT-K, e.g. 3) or random:LO-HI "
                 "(AlignProp, e.g. random:1-5) with 1 <= LO <= HI."
             ) from None
+
+    def describe_backprop(self) -> str:
+        """Which steps carry gradient and what is scored, in one line (printed with the config)."""
+        backprop = self.backprop_range()
+        if backprop is None:
+            return f"ReFL: one step k in {self.k_lo}..{self.k_hi} with grad, its predicted x0 scored"
+        lo, hi = backprop
+        name = f"DRaFT-{lo}" if lo == hi else f"AlignProp (K in {lo}..{hi})"
+        if self.draft_lv:
+            name = f"DRaFT-LV ({self.draft_lv} extra noised copies of the last step)"
+        checkpointed = self.backprop_checkpointing and hi > 1
+        return f"{name}: the last K steps with grad{' (network checkpointed)' if checkpointed else ''}, final image scored"
 
 
 def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLConfig:

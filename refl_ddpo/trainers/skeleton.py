@@ -159,22 +159,11 @@ def shared_checks(cfg: CommonConfig) -> None:
     check_push(cfg)
 
 
-def run_training(algo: Algorithm) -> Path:
-    """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
+def set_up(algo: Algorithm) -> tuple[Run, Path | None, str | None]:
+    """The checks, the accelerator, the hub repo and the models: (run, checkpoint to resume from, hub repo id)."""
     from accelerate.utils import set_seed
 
-    from refl_ddpo.training import (
-        check_identical_weights,
-        load_checkpoint,
-        load_trainable_family,
-        make_accelerator,
-        make_optimizer,
-        print_config,
-        save_checkpoint,
-        save_final,
-        start_trackers,
-    )
-    from refl_ddpo.validation import make_validator
+    from refl_ddpo.training import load_trainable_family, make_accelerator, make_optimizer
 
     resume = algo.preflight()
     cfg = algo.cfg  # as the preflight resolved it
@@ -185,8 +174,6 @@ def run_training(algo: Algorithm) -> Path:
         from refl_ddpo.hub import create_hub_repo
 
         repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
-
-    # ---- models ----
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
     family, params, dtype = load_trainable_family(accelerator, cfg)
     run = Run(cfg, accelerator, family, params, dtype)
@@ -194,41 +181,56 @@ def run_training(algo: Algorithm) -> Path:
     run.optimizer = make_optimizer(params, cfg)
     algo.setup_optimizer(run)
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
+    return run, resume, repo_id
 
-    # ---- start ----
+
+def start(algo: Algorithm, run: Run, resume: Path | None) -> int:
+    """Trackers, the config printed, the resumed state; returns the iterations already done."""
+    from refl_ddpo.training import load_checkpoint, print_config, start_trackers
+
+    cfg, accelerator = run.cfg, run.accelerator
     start_trackers(accelerator, cfg, algo.name)
     if accelerator.is_main_process:
         print_config(
             cfg, {**algo.describe(run), "processes": accelerator.num_processes, "resume from": resume}
         )
-    start = 0
     if resume is not None:
-        start = algo.load_state(run, *load_checkpoint(accelerator, resume))
-        accelerator.print(f"resumed from {resume}{algo.resumed(start)}")
-    elif cfg.resume_from_checkpoint:
+        done = algo.load_state(run, *load_checkpoint(accelerator, resume))
+        accelerator.print(f"resumed from {resume}{algo.resumed(done)}")
+        return done
+    if cfg.resume_from_checkpoint:
         accelerator.print(f"no checkpoint-N in {cfg.output_dir} yet: starting at {algo.unit} 0")
+    return 0
+
+
+def run_training(algo: Algorithm) -> Path:
+    """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
+    from refl_ddpo.training import check_identical_weights, save_checkpoint, save_final
+    from refl_ddpo.validation import make_validator
+
+    run, resume, repo_id = set_up(algo)
+    cfg, accelerator = run.cfg, run.accelerator
+    first = start(algo, run, resume)
     validator = make_validator(
         accelerator,
-        family,
+        run.family,
         run.reward,
         cfg,
         every=algo.validation_every,
         unit=algo.unit,
         last=algo.iterations,
-        start=start,
+        start=first,
     )
 
     def validate(done: int) -> None:
         with algo.validation_weights(run):
             validator(done, algo.log_step(done))
 
-    if validator is not None and start == 0:
+    if validator is not None and first == 0:
         validate(0)  # the baseline: the base model (LoRA starts at zero)
-
-    # ---- the loop ----
-    algo.begin(run, start)
+    algo.begin(run, first)
     try:
-        for index in range(start, algo.iterations):
+        for index in range(first, algo.iterations):
             algo.iteration(run, index)
             done = index + 1
             if validator is not None and validator.due(done):
@@ -241,11 +243,10 @@ def run_training(algo: Algorithm) -> Path:
                     tqdm.write(f"saved {path}")
     finally:
         algo.end(run)
-
-    # ---- the result: always, at the top of output_dir ----
+    # the result: always, at the top of output_dir
     progress = algo.finish(run)
-    save_final(accelerator, run.network, cfg, family, algo.name, progress, repo_id)
-    check_identical_weights(accelerator, params)
+    save_final(accelerator, run.network, cfg, run.family, algo.name, progress, repo_id)
+    check_identical_weights(accelerator, run.params)
     accelerator.end_training()
     return Path(cfg.output_dir)
 
