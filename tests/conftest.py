@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Tiny random models in the checkpoint/ layout, built once per test session."""
-    from refl_ddpo.tiny import write_tiny_models
+    from refl_ddpo.testing.tiny import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("tiny"))
 

@@ -1,5 +1,5 @@
 """ReFL trainer: the gradient path, the KL term, the shell script end to end, bit-exact resume, two processes in step,
-and one-line errors for bad input. CPU, tiny random models (refl_ddpo.tiny)."""
+and one-line errors for bad input. CPU, tiny random models (refl_ddpo.testing.tiny)."""
 
 import json
 import os
