@@ -38,14 +38,7 @@ SCRIPT = REPO / "train_scripts" / "train_ddpo.sh"
 RES = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (and OMP_NUM_THREADS=1 in the subprocesses): two spin-waiting OpenMP threads on a loaded
-    2-core machine make these tiny models many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 # ---- pure maths ----

@@ -19,12 +19,7 @@ RES, T = 32, 6
 PROMPTS = ["a photo of a cat", "a red bird"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 # ---- pure functions ----

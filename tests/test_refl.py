@@ -29,14 +29,7 @@ RES, T, K_LO, K_HI = 32, 8, 4, 7
 PROMPTS = ["a photo of a cat", "a red bird"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread here and in the trainer subprocesses: these tiny models gain nothing from two, and with
-    two OpenMP threads on a loaded 2-core machine a sampling loop took 14 s of CPU instead of 0.15 s (spin-waits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 def _cfg(tiny_models, **kw) -> ReFLConfig:
