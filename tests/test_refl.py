@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline
+from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.config import parse_config
@@ -145,17 +146,12 @@ def test_later_flags_override_earlier_ones_and_defaults():
 # ---- end to end through the shell script ----
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
 def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", os.path.relpath(SCRIPT, cwd), *args],
         check=False,
         cwd=cwd,
-        env=_env(**env),
+        env=script_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -163,32 +159,19 @@ def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedPro
 
 
 def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--num_inference_steps",
-        str(T),
-        "--k_lo",
-        str(K_LO),
-        "--k_hi",
-        str(K_HI),
-        "--device",
-        "cpu",
-        "--train_batch_size",
-        "2",
-        "--learning_rate",
-        "3e-2",
-        "--max_train_steps",
-        str(steps),
-        "--image_log_steps",
-        "10",
-    ]
+    return trainer_flags(
+        tiny_models,
+        out,
+        resolution=RES,
+        num_inference_steps=T,
+        k_lo=K_LO,
+        k_hi=K_HI,
+        device="cpu",
+        train_batch_size=2,
+        learning_rate="3e-2",
+        max_train_steps=steps,
+        image_log_steps=10,
+    )
 
 
 def test_script_trains_on_the_users_own_differentiable_reward(tiny_models, tmp_path):
@@ -355,7 +338,7 @@ def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
             [sys.executable, "-m", "refl_ddpo.trainers.refl", *args],
             check=False,
             cwd=REPO,
-            env=_env(),
+            env=script_env(),
             capture_output=True,
             text=True,
             timeout=240,
