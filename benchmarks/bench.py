@@ -9,8 +9,8 @@
 
 The models are built from config files with random weights (speed and memory do not depend on the values):
 benchmarks/configs/ holds SD v1.5's unet/vae/text_encoder configs and BLIP's med_config.json of ImageReward (its
-ViT-L/16 is the default of refl_ddpo.rewards.imagereward); `--tiny` takes the configs of refl_ddpo.tiny's models.
-Tokenizers are refl_ddpo.tiny's (no hub access); they pad to the real lengths (77 CLIP, 35 BERT tokens).
+ViT-L/16 is the default of refl_ddpo.rewards.imagereward); `--tiny` takes the configs of refl_ddpo.testing.tiny's
+models. Tokenizers are built offline (refl_ddpo.testing; no hub); they pad to the real lengths (77 CLIP, 35 BERT tokens).
 The timed regions call the kit's own functions, set up as the trainers set them up (make_trainable, make_optimizer,
 make_accelerator + prepare, the trainers' defaults: LoRA rank 4 on to_q/to_k/to_v/to_out.0, AdamW, clipping at 1):
 

@@ -21,7 +21,8 @@ class BenchConfig(ConfigBase):
 
     # ---- what ----
     tiny: bool = field_(
-        False, "Use the tiny random models of refl_ddpo.tiny instead of the real SD v1.5 architecture."
+        False,
+        "Use the tiny random models of refl_ddpo.testing.tiny instead of the real SD v1.5 architecture.",
     )
     device: Literal["cuda", "cpu"] | None = field_(
         None,

@@ -1,5 +1,6 @@
 """The models the benchmark runs: built from config files with random weights (speed and memory do not depend on
-the values), at the real SD v1.5 / ImageReward size or at refl_ddpo.tiny's, and set up as the trainers set them up.
+the values), at the real SD v1.5 / ImageReward size or at refl_ddpo.testing.tiny's, and set up as the trainers set them
+up.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def real_configs() -> dict[str, dict]:
 
 
 def model_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
-    """The real configs, or refl_ddpo.tiny's. Writes the tiny models into `workdir` either way (a few MB, seconds):
+    """The real configs, or refl_ddpo.testing.tiny's. Writes the tiny models into `workdir` either way (a few MB, seconds):
     their tokenizers serve both sizes."""
     from refl_ddpo.rewards import imagereward
-    from refl_ddpo.tiny import write_tiny_stable_diffusion
+    from refl_ddpo.testing.tiny import write_tiny_stable_diffusion
+    from refl_ddpo.testing.tiny_rewards import write_imagereward
 
     sd = write_tiny_stable_diffusion(workdir)
-    imagereward.write_tiny(workdir)
+    write_imagereward(workdir)
     if not tiny:
         return real_configs()
     return {
@@ -68,11 +70,11 @@ def model_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
 
 
 def sd3_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
-    """SD3.5 Medium's configs kept in benchmarks/configs, or those of refl_ddpo.tiny's tiny SD3 (written into
+    """SD3.5 Medium's configs kept in benchmarks/configs, or those of refl_ddpo.testing.tiny's tiny SD3 (written into
     `workdir`)."""
     if not tiny:
         return {name: _read_json(CONFIG_DIR / f) for name, f in SD3_CONFIG_FILES.items()}
-    from refl_ddpo.tiny import write_tiny_stable_diffusion_3
+    from refl_ddpo.testing.tiny import write_tiny_stable_diffusion_3
 
     folder = write_tiny_stable_diffusion_3(workdir)
     return {name: _read_json(folder / sub / "config.json") for name, sub in SD3_TINY_FOLDERS.items()}
@@ -225,7 +227,7 @@ class Bench:
         from diffusers import PNDMScheduler, StableDiffusionPipeline
 
         from refl_ddpo.families.sd import StableDiffusion
-        from refl_ddpo.tiny import SD_SCHEDULER_CONFIG
+        from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG
 
         return StableDiffusion(
             StableDiffusionPipeline(
@@ -252,7 +254,7 @@ class Bench:
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
         from refl_ddpo.families.sd3 import StableDiffusion3
-        from refl_ddpo.tiny import t5_tokenizer
+        from refl_ddpo.testing.tiny_parts import t5_tokenizer
 
         return StableDiffusion3(
             StableDiffusion3Pipeline(

@@ -22,11 +22,11 @@ The judge (`judge`, `colour_accuracy`) reads pixels only, with fixed thresholds 
 
 The base models are deliberately imperfect (colour accuracy about 40 % at DDIM 50 steps, CFG 7.5): their training
 captions confused colour words in pairs (red/magenta, green/yellow, blue/cyan) half of the time, so they draw
-"a red ..." red or magenta about equally; see refl_ddpo.toy_build. Two families of the same world: toy-sd/ (SD 1.x,
-a UNet) and toy-sd3/ (SD3, an MMDiT trained by flow matching on the same VAE, no T5).
+"a red ..." red or magenta about equally; see refl_ddpo.testing.toy_build. Two families of the same world: toy-sd/
+(SD 1.x, a UNet) and toy-sd3/ (SD3, an MMDiT trained by flow matching on the same VAE, no T5).
 
-The trained models (built by `refl_ddpo.toy_build`, deterministically from seeds, on one CPU thread) are committed
-under toy_world.DATA_DIR with their SHA256SUMS, so every machine tests on the same weights;
+The trained models (built by `refl_ddpo.testing.toy_build`, deterministically from seeds, on one CPU thread) are
+committed under toy_world.DATA_DIR with their SHA256SUMS, so every machine tests on the same weights;
 `write_toy_world(out)` (`python -m refl_ddpo.tiny OUT --toy_world`) copies them after checking the sums.
 """
 
@@ -320,19 +320,14 @@ def verify_sums(folder: Path) -> list[str]:
     return paths
 
 
-def write_toy_world(out: str | Path, rebuild: bool = False, source: str | Path | None = None) -> Path:
+def write_toy_world(out: str | Path, source: str | Path | None = None) -> Path:
     """OUT/toy-sd/ (a StableDiffusionPipeline folder), OUT/toy-sd3/ (a StableDiffusion3Pipeline folder) and
     OUT/toy_classifier.{safetensors,json}; returns OUT/toy-sd.
 
-    Copies the committed weights (from `source`, default toy_world.DATA_DIR) after checking SHA256SUMS, or with
-    `rebuild` trains everything from scratch (`refl_ddpo.toy_build.build_toy_world`; about 35 minutes on one core)."""
+    Copies the committed weights (from `source`, default toy_world.DATA_DIR) after checking SHA256SUMS. To train
+    them from scratch instead: `python -m refl_ddpo.tiny OUT --rebuild_toy_world` (refl_ddpo.testing.toy_build)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if rebuild:
-        from refl_ddpo.toy_build import build_toy_world
-
-        build_toy_world(out)
-        return out / SD_DIRNAME
     src = Path(source) if source is not None else DATA_DIR
     for rel in verify_sums(src):
         dst = out / rel

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Tiny random models in the checkpoint/ layout, built once per test session."""
-    from refl_ddpo.tiny import write_tiny_models
+    from refl_ddpo.testing.tiny import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("tiny"))
 
@@ -54,6 +54,22 @@ def tiny_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd(tiny_models) -> Path:
     return tiny_models / "stable-diffusion"
+
+
+def _one_thread():
+    """One intra-op thread, the number before restored afterwards. Tiny models gain nothing from two, and with two
+    OpenMP threads on a loaded 2-core machine a sampling loop took 14 s of CPU instead of 0.15 s (spin-waits); the
+    trainer subprocesses get OMP_NUM_THREADS=1 likewise."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# A test file takes one of them with `pytestmark = pytest.mark.usefixtures("one_thread")` (around each test) or
+# `... usefixtures("one_thread_module")` (once around the file, its module fixtures included).
+one_thread = pytest.fixture(_one_thread, name="one_thread")
+one_thread_module = pytest.fixture(_one_thread, scope="module", name="one_thread_module")
 
 
 def pytest_report_header(config):

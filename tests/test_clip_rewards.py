@@ -1,5 +1,5 @@
 """pickscore, clip_score (transformers CLIP) and hpsv2 (open_clip): our tensor preprocessing + score against the
-libraries' own processors on PIL images + model forward, on the tiny random weights of `refl_ddpo.tiny`.
+libraries' own processors on PIL images + model forward, on the tiny random weights of `refl_ddpo.testing.tiny`.
 
 Tolerance: the reference path stores the resized image as uint8 (PIL), twice (after the width pass and after the
 height pass): 0.5 / 255 from the last rounding plus the first one's 0.5 / 255 carried through the cubic's weights

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from diffusers import DDIMScheduler, StableDiffusionPipeline
+from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import (
@@ -38,14 +38,7 @@ SCRIPT = REPO / "train_scripts" / "train_ddpo.sh"
 RES = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread (and OMP_NUM_THREADS=1 in the subprocesses): two spin-waiting OpenMP threads on a loaded
-    2-core machine make these tiny models many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 # ---- pure maths ----
@@ -496,39 +489,21 @@ def test_alias_and_field_both_given_must_agree_even_at_the_default():
 # ---- the shell script end to end ----
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
 def _flags(tiny_models, out: Path, epochs: int, *extra: str) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--sample_num_steps",
-        "4",
-        "--sample_batch_size",
-        "4",
-        "--sample_num_batches_per_epoch",
-        "1",
-        "--train_batch_size",
-        "2",
-        "--learning_rate",
-        "3e-2",
-        "--num_epochs",
-        str(epochs),
-        "--save_freq",
-        "1",
-        "--device",
-        "cpu",
+    return trainer_flags(
+        tiny_models,
+        out,
         *extra,
-    ]
+        resolution=RES,
+        sample_num_steps=4,
+        sample_batch_size=4,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        num_epochs=epochs,
+        save_freq=1,
+        device="cpu",
+    )
 
 
 def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
@@ -536,7 +511,7 @@ def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedPro
         ["bash", os.path.relpath(SCRIPT, cwd), *args],
         check=False,
         cwd=cwd,
-        env=_env(**env),
+        env=script_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -688,7 +663,7 @@ def test_resume_after_a_killed_run_gives_the_bit_identical_lora(trained, tiny_mo
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=_env(),
+        env=script_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

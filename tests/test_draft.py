@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import trainer_flags
 
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, parse_backprop_steps
 from refl_ddpo.backprop import draft_step
@@ -19,12 +20,7 @@ RES, T = 32, 6
 PROMPTS = ["a photo of a cat", "a red bird"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 # ---- pure functions ----
@@ -263,31 +259,19 @@ def test_draft_on_sd3_moves_the_lora_with_a_finite_loss(tiny_models):
 
 
 def _args(tiny_models, out: Path, *extra: str) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--num_inference_steps",
-        str(T),
-        "--k_lo",
-        "2",
-        "--k_hi",
-        "5",
-        "--device",
-        "cpu",
-        "--max_train_steps",
-        "2",
-        "--report_to",
-        "none",
-        "--lora_init",
-        "random",
+    return trainer_flags(
+        tiny_models,
+        out,
         *extra,
-    ]
+        resolution=RES,
+        num_inference_steps=T,
+        k_lo=2,
+        k_hi=5,
+        device="cpu",
+        max_train_steps=2,
+        report_to="none",
+        lora_init="random",
+    )
 
 
 @pytest.mark.parametrize("flags", [["--backprop_steps", "random:1-3"], ["--draft_lv", "1"]])

@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
+from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
@@ -466,56 +466,37 @@ def test_flow_grpo_preset_and_flags():
 # ---- the shell script end to end ----
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
 def _span_flags(tiny_models, model: str, out: Path, *extra: str) -> list[str]:
     """Two CPU processes x 6 samples in groups of 4 (group 1 spans both), one x_T per group, an SDE window of 2 whose
     start is drawn per epoch, beta; 2 epochs, a checkpoint after each. SD3 adds --global_std."""
-    return [
-        "--pretrained_model",
-        str(tiny_models / model),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--sample_num_steps",
-        "4",
-        "--sample_batch_size",
-        "3",
-        "--sample_num_batches_per_epoch",
-        "2",
-        "--train_batch_size",
-        "3",
-        "--group_size",
-        "4",
-        "--same_noise_per_group",
-        "--sde_window",
-        "2",
-        "--beta",
-        "0.04",
-        "--learning_rate",
-        "3e-2",
-        "--num_epochs",
-        "2",
-        "--save_freq",
-        "1",
-        "--device",
-        "cpu",
-        *(["--global_std"] if model == "tiny-sd3" else []),
+    sd3 = ["--global_std"] if model == "tiny-sd3" else []
+    return trainer_flags(
+        tiny_models,
+        out,
+        *sd3,
         *extra,
-    ]
+        model=model,
+        resolution=RES,
+        sample_num_steps=4,
+        sample_batch_size=3,
+        sample_num_batches_per_epoch=2,
+        train_batch_size=3,
+        group_size=4,
+        same_noise_per_group=True,
+        sde_window=2,
+        beta="0.04",
+        learning_rate="3e-2",
+        num_epochs=2,
+        save_freq=1,
+        device="cpu",
+    )
 
 
 def _script(args: list[str], **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), *args],
         cwd=REPO,
-        env=_env(NUM_PROCESSES="2", **env),
+        env=script_env(NUM_PROCESSES="2", **env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -611,7 +592,7 @@ def test_resume_after_a_killed_run_gives_the_bit_identical_lora(spanning_run, ti
     proc = subprocess.Popen(
         ["bash", str(SCRIPT), *flags],
         cwd=REPO,
-        env=_env(NUM_PROCESSES="2"),
+        env=script_env(NUM_PROCESSES="2"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -1,5 +1,5 @@
 """ImageReward on timm + transformers: reproduces the reference package's numbers (tests/fixtures/imagereward_tiny),
-loads what `write_tiny` writes, keeps the graph to the images, and fails with one-line errors on bad files/images."""
+loads what `write_imagereward` (refl_ddpo.testing.tiny_rewards) writes, keeps the graph to the images, and fails with one-line errors on bad files/images."""
 
 import json
 import re
@@ -13,6 +13,7 @@ from torchvision.transforms.v2 import functional as TF
 from refl_ddpo import rewards
 from refl_ddpo.errors import UserError
 from refl_ddpo.rewards import imagereward as ir
+from refl_ddpo.testing.tiny_rewards import write_imagereward
 
 FIXTURE = Path(__file__).parent / "fixtures" / "imagereward_tiny"
 # The ViT the fixture was built with (its med_config.json only describes the text tower).
@@ -28,13 +29,13 @@ def io() -> dict:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("imagereward_tiny")
-    ir.write_tiny(out)
+    write_imagereward(out)
     return out
 
 
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory, tiny_dir) -> Path:
-    """The reference checkpoint in the checkpoint/ layout: its med_config.json + the ViT size, write_tiny's tokenizer
+    """The reference checkpoint in the checkpoint/ layout: its med_config.json + the ViT size, write_imagereward's tokenizer
     (534 tokens, within the fixture's vocab of 1000; the fixture's inputs are token ids anyway)."""
     out = tmp_path_factory.mktemp("imagereward_fixture")
     shutil.copy(FIXTURE / "ImageReward.pt", out)
@@ -116,7 +117,7 @@ def test_reproduces_reference_end_to_end(fixture_dir, io, precision, dtype, atol
             torch.testing.assert_close(got.double(), ref.double(), atol=atol, rtol=0)
 
 
-# ---- write_tiny, tokenizer, score() ----
+# ---- write_imagereward, tokenizer, score() ----
 
 
 def test_write_tiny_layout_and_determinism(tiny_dir, tmp_path):
@@ -126,8 +127,8 @@ def test_write_tiny_layout_and_determinism(tiny_dir, tmp_path):
     # Same keys as the official layout once the numbers are blanked out (the fixture has the official patterns).
     assert [re.sub(r"\d+", "N", k) for k in state_dict] == [re.sub(r"\d+", "N", k) for k in official]
     assert sum(v.numel() for v in state_dict.values()) * 4 < 5e6
-    ir.write_tiny(tmp_path / "again")
-    ir.write_tiny(tmp_path / "other", seed=1)
+    write_imagereward(tmp_path / "again")
+    write_imagereward(tmp_path / "other", seed=1)
     again = torch.load(tmp_path / "again" / "ImageReward.pt", weights_only=True)
     other = torch.load(tmp_path / "other" / "ImageReward.pt", weights_only=True)
     assert all(torch.equal(state_dict[k], again[k]) for k in state_dict)
@@ -314,7 +315,7 @@ def test_state_dict_of_another_size(tmp_path):
     folder.mkdir()
     shutil.copy(FIXTURE / "ImageReward.pt", folder)
     shutil.copy(FIXTURE / "med_config.json", folder)
-    ir.write_tiny(tmp_path / "tok")
+    write_imagereward(tmp_path / "tok")
     shutil.copytree(tmp_path / "tok" / "bert-base-uncased", folder / "bert-base-uncased")
     expected = "blip.visual_encoder.cls_token [1, 1, 64] vs [1, 1, 1024]"
     message = _user_error(lambda: ir.load(folder), "wrong shapes: 34 (", expected, "vision_config")

@@ -55,13 +55,7 @@ def run_script(name: str, *args, cwd: Path = REPO) -> subprocess.CompletedProces
     )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The in-process tests likewise run on one intra-op thread (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def pixels(path: Path) -> np.ndarray:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import trainer_flags
 
 from refl_ddpo.errors import UserError
 from refl_ddpo.rewards import REWARDS
@@ -46,12 +47,7 @@ def broken(monkeypatch):
     return set_modes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _one_error_line(capsys) -> str:
@@ -69,13 +65,20 @@ def _weight_files(out: Path) -> list[str]:
 
 
 def _refl_argv(tiny_models, out: Path) -> list[str]:
-    model, rewards = str(tiny_models / "stable-diffusion"), str(tiny_models)
-    return [
-        *("--pretrained_model", model, "--reward_model_dir", rewards, "--reward", "broken"),
-        *("--output_dir", str(out), "--resolution", str(RES), "--device", "cpu", "--report_to", "none"),
-        *("--num_inference_steps", "3", "--k_lo", "1", "--k_hi", "2", "--train_batch_size", "2"),
-        *("--checkpointing_steps", "1", "--image_log_steps", "0"),
-    ]
+    return trainer_flags(
+        tiny_models,
+        out,
+        resolution=RES,
+        reward="broken",
+        device="cpu",
+        report_to="none",
+        num_inference_steps=3,
+        k_lo=1,
+        k_hi=2,
+        train_batch_size=2,
+        checkpointing_steps=1,
+        image_log_steps=0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,19 +111,22 @@ def test_refl_stops_before_the_update_and_the_good_checkpoint_stays_newest(
 
 
 def _ddpo_argv(tiny_models, out: Path, *extra: str) -> list[str]:
-    return [
-        *(
-            "--pretrained_model",
-            str(tiny_models / "stable-diffusion"),
-            "--reward_model_dir",
-            str(tiny_models),
-        ),
-        *("--reward", "broken", "--output_dir", str(out), "--resolution", str(RES), "--device", "cpu"),
-        *("--sample_num_steps", "2", "--sample_batch_size", "4", "--sample_num_batches_per_epoch", "1"),
-        *("--train_batch_size", "4", "--num_epochs", "2", "--save_freq", "1", "--report_to", "none"),
+    return trainer_flags(
+        tiny_models,
+        out,
         "--no-per_prompt_stat_tracking",
         *extra,
-    ]
+        resolution=RES,
+        reward="broken",
+        device="cpu",
+        sample_num_steps=2,
+        sample_batch_size=4,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=4,
+        num_epochs=2,
+        save_freq=1,
+        report_to="none",
+    )
 
 
 def test_ddpo_drops_non_finite_rewards_when_asked_and_stops_when_all_are(

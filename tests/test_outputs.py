@@ -20,12 +20,7 @@ from refl_ddpo.images import wrap_words
 DATA = Path(__file__).resolve().parent.parent / "refl_ddpo" / "data"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- captions wrapped at words ----

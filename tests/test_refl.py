@@ -1,5 +1,5 @@
 """ReFL trainer: the gradient path, the KL term, the shell script end to end, bit-exact resume, two processes in step,
-and one-line errors for bad input. CPU, tiny random models (refl_ddpo.tiny)."""
+and one-line errors for bad input. CPU, tiny random models (refl_ddpo.testing.tiny)."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline
+from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.backprop import kl_to_base, refl_step
@@ -30,14 +31,7 @@ RES, T, K_LO, K_HI = 32, 8, 4, 7
 PROMPTS = ["a photo of a cat", "a red bird"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One intra-op thread here and in the trainer subprocesses: these tiny models gain nothing from two, and with
-    two OpenMP threads on a loaded 2-core machine a sampling loop took 14 s of CPU instead of 0.15 s (spin-waits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 def _cfg(tiny_models, **kw) -> ReFLConfig:
@@ -153,17 +147,12 @@ def test_later_flags_override_earlier_ones_and_defaults():
 # ---- end to end through the shell script ----
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")}
-    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
-
-
 def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", os.path.relpath(SCRIPT, cwd), *args],
         check=False,
         cwd=cwd,
-        env=_env(**env),
+        env=script_env(**env),
         capture_output=True,
         text=True,
         timeout=240,
@@ -171,32 +160,19 @@ def _script(args: list[str], cwd: Path = REPO, **env) -> subprocess.CompletedPro
 
 
 def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--num_inference_steps",
-        str(T),
-        "--k_lo",
-        str(K_LO),
-        "--k_hi",
-        str(K_HI),
-        "--device",
-        "cpu",
-        "--train_batch_size",
-        "2",
-        "--learning_rate",
-        "3e-2",
-        "--max_train_steps",
-        str(steps),
-        "--image_log_steps",
-        "10",
-    ]
+    return trainer_flags(
+        tiny_models,
+        out,
+        resolution=RES,
+        num_inference_steps=T,
+        k_lo=K_LO,
+        k_hi=K_HI,
+        device="cpu",
+        train_batch_size=2,
+        learning_rate="3e-2",
+        max_train_steps=steps,
+        image_log_steps=10,
+    )
 
 
 def test_script_trains_on_the_users_own_differentiable_reward(tiny_models, tmp_path):
@@ -363,7 +339,7 @@ def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
             [sys.executable, "-m", "refl_ddpo.trainers.refl", *args],
             check=False,
             cwd=REPO,
-            env=_env(),
+            env=script_env(),
             capture_output=True,
             text=True,
             timeout=240,

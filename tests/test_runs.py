@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import script_env, trainer_flags
 
 from refl_ddpo import runs
 from refl_ddpo.config import parse_config
@@ -30,33 +31,20 @@ TOY_SD = DATA_DIR / "toy_world" / "toy-sd"
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES", "WORLD_SIZE", "RANK")}
-    return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
+    return script_env("WORLD_SIZE", "RANK", **extra)
 
 
 def _refl_flags(tiny_models, out: Path) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        "32",
-        "--num_inference_steps",
-        "4",
-        "--k_lo",
-        "2",
-        "--k_hi",
-        "3",
-        "--device",
-        "cpu",
-        "--report_to",
-        "none",
-        "--max_train_steps",
-        "2",
-    ]
+    return trainer_flags(
+        tiny_models,
+        out,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        device="cpu",
+        report_to="none",
+        max_train_steps=2,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ def test_committed_files_match_sha256sums():
 
 
 def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
-    from refl_ddpo import tiny
+    from refl_ddpo.testing import tiny
 
     sd = tiny.write_toy_world(tmp_path / "ok")
     assert (
@@ -292,7 +292,7 @@ def test_base_model_is_deliberately_imperfect():
 def test_captions_confuse_partner_colours_at_the_asked_rate():
     """The base's imperfection: `_captions` names the partner colour with probability `confuse_p`, drawing the same
     random numbers whatever `confuse_p` is (so the default build stays the committed one)."""
-    from refl_ddpo import toy_build as tb
+    from refl_ddpo.testing import toy_train as tb
 
     prompts = [tw.PROMPTS[i % len(tw.PROMPTS)] for i in range(2000)]
     names = list(tw.PROMPTS) + [""]
@@ -323,7 +323,7 @@ def test_build_unet_from_a_folder(tmp_path):
         [
             sys.executable,
             "-m",
-            "refl_ddpo.toy_build",
+            "refl_ddpo.testing.toy_build",
             str(tmp_path / "bad"),
             "--unet_from",
             "--confuse_p",
@@ -341,7 +341,7 @@ def test_build_unet_from_a_folder(tmp_path):
         [
             sys.executable,
             "-m",
-            "refl_ddpo.toy_build",
+            "refl_ddpo.testing.toy_build",
             str(tmp_path),
             "--unet_from",
             "--unet_steps",

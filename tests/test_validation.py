@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import trainer_flags
 from hub_standin import HubStandIn
 
 from refl_ddpo.config import parse_config
@@ -338,30 +339,18 @@ def _run(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 
 def _refl_flags(tiny_models: Path, out: Path, steps: int) -> list[str]:
-    return [
-        "--pretrained_model",
-        str(tiny_models / "stable-diffusion"),
-        "--reward_model_dir",
-        str(tiny_models),
-        "--output_dir",
-        str(out),
-        "--resolution",
-        str(RES),
-        "--num_inference_steps",
-        "4",
-        "--k_lo",
-        "2",
-        "--k_hi",
-        "3",
-        "--train_batch_size",
-        "2",
-        "--learning_rate",
-        "3e-2",
-        "--max_train_steps",
-        str(steps),
-        "--device",
-        "cpu",
-    ]
+    return trainer_flags(
+        tiny_models,
+        out,
+        resolution=RES,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        max_train_steps=steps,
+        device="cpu",
+    )
 
 
 def test_refl_validates_logs_everywhere_writes_the_card_pushes_and_loads_back_by_id(

@@ -196,36 +196,3 @@ def _factory(kind: str):
 
 pickscore = _factory("pickscore")
 clip_score = _factory("clip_score")
-
-
-def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """A tiny random CLIP (48 px input resized to 32, 16-d projection) with its processor, in the layout `load` reads,
-    at `out_dir/pickscore/` and `out_dir/clip_score/` (different seeds)."""
-    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from refl_ddpo.tiny import clip_tokenizer, tiny_clip_config
-
-    out_dir = Path(out_dir)
-    tokenizer = clip_tokenizer()
-    for i, kind in enumerate(SOURCES):
-        torch.manual_seed(seed + 20 + i)
-        config = CLIPConfig(
-            text_config=tiny_clip_config(tokenizer, hidden=16).to_dict(),
-            vision_config={
-                "image_size": 32,
-                "patch_size": 8,
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-            },
-            projection_dim=16,
-        )
-        folder = out_dir / SOURCES[kind][0]
-        CLIPModel(config).save_pretrained(folder, safe_serialization=True)
-        image_processor = CLIPImageProcessorPil(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-        )
-        CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    return out_dir

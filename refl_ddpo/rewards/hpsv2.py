@@ -16,7 +16,6 @@ and without either, HPS_v2.1_compressed.pt is fetched from the hub repo xswu/HPS
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -124,33 +123,3 @@ def hpsv2(device: torch.device, dtype: torch.dtype, model_dir: str, **options):
         return scorer(images.to(device), list(prompts)), {}
 
     return reward_fn
-
-
-def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """A tiny random open_clip ViT (32 px, 8 px patches) with open_clip's BPE text tower (49408 tokens, 8 wide) in
-    the 'local-dir' layout at `out_dir/hpsv2/`, with HPSv2's preprocessing (longest side, pad, OpenAI mean / std)."""
-    import open_clip
-    from safetensors.torch import save_file
-
-    folder = Path(out_dir) / SUBDIR
-    folder.mkdir(parents=True, exist_ok=True)
-    model_cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 8, "heads": 2, "layers": 1},
-    }
-    preprocess_cfg = {
-        "mean": list(OPENAI_MEAN),
-        "std": list(OPENAI_STD),
-        "interpolation": "bicubic",
-        "resize_mode": "longest",
-    }
-    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
-    (folder / OPEN_CLIP_CONFIG).write_text(json.dumps(config, indent=2))
-    torch.manual_seed(seed + 30)
-    model = open_clip.CLIP(**model_cfg)
-    save_file(
-        {k: v.contiguous() for k, v in model.state_dict().items()},
-        str(folder / "open_clip_model.safetensors"),
-    )
-    return folder

@@ -454,13 +454,3 @@ def reward_from_model(model: ImageRewardModel, antialias: bool = True) -> Reward
         return model(input_ids, attention_mask, pixel_values), {}
 
     return reward_fn
-
-
-# ---- a tiny random model for tests ----
-
-
-def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> None:
-    """A tiny random ImageReward in the official layout (see `refl_ddpo.rewards.imagereward_tiny`)."""
-    from refl_ddpo.rewards.imagereward_tiny import write_tiny as write
-
-    write(out_dir, seed)

@@ -317,25 +317,3 @@ def vlm_bertscore(
         return rewards.to(device=device, dtype=torch.float32), {}
 
     return reward_fn
-
-
-def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """A tiny random BERT (2 layers, 32 wide) with the tiny BERT tokenizer at `out_dir/bertscore/` (the layout
-    BERTScorer reads); needs `out_dir/bert-base-uncased/` (written by imagereward.write_tiny)."""
-    from transformers import BertConfig, BertModel, BertTokenizer
-
-    out_dir = Path(out_dir)
-    tokenizer = BertTokenizer.from_pretrained(out_dir / "bert-base-uncased")
-    torch.manual_seed(seed + 40)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    folder = out_dir / BERTSCORE_DIR
-    BertModel(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder

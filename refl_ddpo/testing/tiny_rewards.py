@@ -1,5 +1,12 @@
-"""A tiny random ImageReward in the official checkpoint layout (ImageReward.pt, med_config.json,
-bert-base-uncased/), for tests and demos without the real weights: seeded, about 2 MB, a second to build."""
+"""Tiny random reward models in the layouts their loaders read, for tests and demos without the real weights:
+seeded, a few MB, seconds to build (refl_ddpo.testing.tiny.write_tiny_models writes them all).
+
+    write_imagereward   ImageReward.pt, med_config.json, bert-base-uncased/   (refl_ddpo.rewards.imagereward)
+    write_aesthetic     clip/ + the LAION-style head                          (refl_ddpo.rewards.aesthetic)
+    write_clip          pickscore/ and clip_score/                            (refl_ddpo.rewards.clip)
+    write_hpsv2         hpsv2/, an open_clip 'local-dir' folder               (refl_ddpo.rewards.hpsv2)
+    write_bertscore     bertscore/, a BERT for vlm_bertscore                  (refl_ddpo.rewards.vlm)
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import torch
 from torch import nn
 from transformers import BertTokenizer
 
+from refl_ddpo.rewards import aesthetic, clip, hpsv2, vlm
 from refl_ddpo.rewards.imagereward import (
     _POSITION_IDS_KEY,
     CHECKPOINT_FILE,
@@ -19,8 +27,9 @@ from refl_ddpo.rewards.imagereward import (
     ImageRewardModel,
     _read_tokenizer,
 )
+from refl_ddpo.testing.tiny_parts import clip_tokenizer, tiny_clip_config
 
-# BERT-uncased style vocabulary for `write_tiny`: ids 0/100-103 are [PAD]/[UNK]/[CLS]/[SEP]/[MASK] as in
+# BERT-uncased style vocabulary for `write_imagereward`: ids 0/100-103 are [PAD]/[UNK]/[CLS]/[SEP]/[MASK] as in
 # bert-base-uncased, then characters, prompt words, common suffixes and every letter/digit as a `##` piece, so
 # that any lowercase ASCII prompt tokenizes to real tokens.
 _TINY_CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
@@ -45,7 +54,7 @@ sitting standing running walking flying swimming playing eating drinking riding 
 jumping reading dancing singing fighting smiling
 """
 _TINY_SUFFIXES = "##s ##es ##ed ##ing ##er ##est ##ly ##y ##ion ##al ##ful ##ness"
-# write_tiny's model: BLIP's layout at toy width (the same dimensions as shared/fixtures/imagereward_tiny).
+# write_imagereward's model: BLIP's layout at toy width (the same dimensions as shared/fixtures/imagereward_tiny).
 _TINY_VISION = {"img_size": 224, "patch_size": 16, "embed_dim": 64, "depth": 2, "num_heads": 4}
 _TINY_TEXT = {
     "hidden_size": 48,
@@ -88,8 +97,8 @@ def _with_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, 
     return {k: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
-def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> None:
-    """Write a tiny random ImageReward in the official layout (ImageReward.pt, med_config.json with a
+def write_imagereward(out_dir: str | os.PathLike, seed: int = 0) -> None:
+    """A tiny random ImageReward in the official layout (ImageReward.pt, med_config.json with a
     `vision_config` entry, bert-base-uncased/) into `out_dir`: seeded, about 2 MB, a second to build."""
     out = Path(out_dir)
     tokenizer_dir = out / TOKENIZER_DIR
@@ -131,3 +140,126 @@ def write_tiny(out_dir: str | os.PathLike, seed: int = 0) -> None:
         **_with_prefix(own, "mlp."),
     }
     torch.save(state_dict, out / CHECKPOINT_FILE)
+
+
+def write_aesthetic(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny random CLIP (32 px, 32-d projection) in `out_dir/clip/` and a tiny head in `out_dir` (safetensors)."""
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPModel
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed + 10)
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 16,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 1,
+        },
+        vision_config={
+            "image_size": 32,
+            "patch_size": 8,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        },
+        projection_dim=32,
+    )
+    CLIPModel(config).save_pretrained(out_dir / aesthetic.CLIP_DIR, safe_serialization=True)
+    torch.manual_seed(seed + 11)
+    head = aesthetic.AestheticHead((config.projection_dim, 64, 32, 16, 8, 1))
+    save_file(
+        {k: v.contiguous() for k, v in head.state_dict().items()},
+        str(out_dir / f"{aesthetic.HEAD_NAME}.safetensors"),
+    )
+    return out_dir
+
+
+def write_clip(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny random CLIP (48 px input resized to 32, 16-d projection) with its processor, in the layout `clip.load`
+    reads, at `out_dir/pickscore/` and `out_dir/clip_score/` (different seeds)."""
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    out_dir = Path(out_dir)
+    tokenizer = clip_tokenizer()
+    for i, kind in enumerate(clip.SOURCES):
+        torch.manual_seed(seed + 20 + i)
+        config = CLIPConfig(
+            text_config=tiny_clip_config(tokenizer, hidden=16).to_dict(),
+            vision_config={
+                "image_size": 32,
+                "patch_size": 8,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+            },
+            projection_dim=16,
+        )
+        folder = out_dir / clip.SOURCES[kind][0]
+        CLIPModel(config).save_pretrained(folder, safe_serialization=True)
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    return out_dir
+
+
+def write_hpsv2(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny random open_clip ViT (32 px, 8 px patches) with open_clip's BPE text tower (49408 tokens, 8 wide) in
+    the 'local-dir' layout at `out_dir/hpsv2/`, with HPSv2's preprocessing (longest side, pad, OpenAI mean / std)."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    folder = Path(out_dir) / hpsv2.SUBDIR
+    folder.mkdir(parents=True, exist_ok=True)
+    model_cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 8, "heads": 2, "layers": 1},
+    }
+    preprocess_cfg = {
+        "mean": list(hpsv2.OPENAI_MEAN),
+        "std": list(hpsv2.OPENAI_STD),
+        "interpolation": "bicubic",
+        "resize_mode": "longest",
+    }
+    config = {"model_cfg": model_cfg, "preprocess_cfg": preprocess_cfg}
+    (folder / hpsv2.OPEN_CLIP_CONFIG).write_text(json.dumps(config, indent=2))
+    torch.manual_seed(seed + 30)
+    model = open_clip.CLIP(**model_cfg)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(folder / "open_clip_model.safetensors"),
+    )
+    return folder
+
+
+def write_bertscore(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny random BERT (2 layers, 32 wide) with the tiny BERT tokenizer at `out_dir/bertscore/` (the layout
+    BERTScorer reads); needs `out_dir/bert-base-uncased/` (written by `write_imagereward`)."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = BertTokenizer.from_pretrained(out_dir / "bert-base-uncased")
+    torch.manual_seed(seed + 40)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    folder = out_dir / vlm.BERTSCORE_DIR
+    BertModel(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
