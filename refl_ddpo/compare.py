@@ -364,7 +364,7 @@ def run_compare(
     compare.json for two run folders."""
     from PIL import Image
 
-    from refl_ddpo.training import check_output_dir
+    from refl_ddpo.outputs import check_output_dir
 
     if num_resamples <= 0:
         raise UserError(f"--num_bootstrap must be > 0 (got {num_resamples}).")

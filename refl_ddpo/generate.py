@@ -530,9 +530,9 @@ def run_inference(cfg: InferenceConfig) -> dict:
     """Generate, save and score every image of the prompts file; returns what it wrote to scores.json."""
     from PIL import Image
 
+    from refl_ddpo.outputs import check_output_dir
     from refl_ddpo.progress import progress_bar
     from refl_ddpo.threads import set_cpu_threads
-    from refl_ddpo.training import check_output_dir
 
     # ---- everything a user can get wrong, before any model is loaded ----
     prompts = load_prompts(cfg.prompts_file)

@@ -77,7 +77,7 @@ def _is_main_rank() -> bool:
 
 
 def _preflight_only() -> bool:
-    from refl_ddpo.training import PREFLIGHT_ENV
+    from refl_ddpo.launch import PREFLIGHT_ENV
 
     return bool(os.environ.get(PREFLIGHT_ENV))
 
@@ -389,7 +389,7 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
 
     Only the main process (and launch.sh's preflight) checks and claims the folder; in launch.sh's preflight
     nothing is deleted or written."""
-    from refl_ddpo.training import check_output_dir
+    from refl_ddpo.outputs import check_output_dir
 
     output_dir = check_output_dir(cfg.output_dir)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by launch.sh / accelerate for every process

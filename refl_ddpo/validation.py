@@ -130,8 +130,8 @@ class Validator:
             return None
         from refl_ddpo.generate import fmt_score, generate_batch
         from refl_ddpo.images import caption_grid
+        from refl_ddpo.outputs import log_grid
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.training import log_grid
 
         network = self.family.network
         was_training = network.training

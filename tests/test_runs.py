@@ -19,11 +19,11 @@ import pytest
 from refl_ddpo import runs
 from refl_ddpo.config import parse_config
 from refl_ddpo.generate import run_inference
+from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 from refl_ddpo.prompts import DATA_DIR
 from refl_ddpo.trainers import ddpo, refl
 from refl_ddpo.trainers.refl import ReFLConfig
-from refl_ddpo.training import PREFLIGHT_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TOY_SD = DATA_DIR / "toy_world" / "toy-sd"
