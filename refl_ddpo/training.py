@@ -385,7 +385,7 @@ def save_final(
         print(f"saved final weights, config.json and {CARD_NAME} to {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()
     if cfg.push_to_hub and accelerator.is_main_process:  # after the barrier: the others may finish meanwhile
-        from refl_ddpo.hub import push_run
+        from refl_ddpo.hub_push import push_run
 
         done = ", ".join(f"{v} {k}" for k, v in progress.items())
         url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}")
