@@ -249,8 +249,9 @@ def check_rewards(cfg: DDPOConfig, rewards: torch.Tensor, epoch: int) -> torch.T
 
 def preflight(cfg: DDPOConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
+    from refl_ddpo.families import resolve_lora_targets
     from refl_ddpo.hub import check_push
-    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
+    from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
     from refl_ddpo.validation import check_validation_prompts

@@ -253,9 +253,10 @@ def pretrain_loss(
 
 def preflight(cfg: ReFLConfig):
     """Everything checkable before a model is loaded: (cfg, prompts, pretrain data, resume path, world size)."""
+    from refl_ddpo.families import resolve_lora_targets
     from refl_ddpo.hub import check_push
     from refl_ddpo.image_captions import PretrainData
-    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
+    from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.prompts import resolve_prompts
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.runs import start_run
