@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 from refl_ddpo.errors import UserError, cli_main, read_utf8
-from refl_ddpo.generate import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, fmt_score, reward_label
-from refl_ddpo.images import font, wrap_words, write_json_atomic
+from refl_ddpo.images import fmt_score, font, wrap_words, write_json_atomic
+from refl_ddpo.inference_config import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, reward_label
 
 COMPARE_JSON = "compare.json"
 COMPARE_PNG = "compare.png"

@@ -18,7 +18,7 @@ import pytest
 
 from refl_ddpo import runs
 from refl_ddpo.config import parse_config
-from refl_ddpo.generate import run_inference
+from refl_ddpo.inference import run_inference
 from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 from refl_ddpo.prompts import DATA_DIR
@@ -380,7 +380,7 @@ def test_bad_lora_dir_or_inference_folder_is_one_line(run_dir, tiny_models, tmp_
 
 
 def test_inference_replaces_an_earlier_runs_images(tiny_models, tmp_path):
-    from refl_ddpo.generate import InferenceConfig
+    from refl_ddpo.inference_config import InferenceConfig
 
     out = tmp_path / "out"
     for prompts in (["a cat", "a dog"], ["a cat"]):
