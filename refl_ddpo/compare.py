@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 from refl_ddpo.errors import UserError, cli_main, read_utf8
-from refl_ddpo.generate import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, fmt_score, reward_label
-from refl_ddpo.images import font, wrap_words, write_json_atomic
+from refl_ddpo.images import fmt_score, font, wrap_words, write_json_atomic
+from refl_ddpo.inference_config import GENERATION_SETTINGS, SCORE_KEY, SCORES_FILE, reward_label
 
 COMPARE_JSON = "compare.json"
 COMPARE_PNG = "compare.png"
@@ -364,7 +364,7 @@ def run_compare(
     compare.json for two run folders."""
     from PIL import Image
 
-    from refl_ddpo.training import check_output_dir
+    from refl_ddpo.outputs import check_output_dir
 
     if num_resamples <= 0:
         raise UserError(f"--num_bootstrap must be > 0 (got {num_resamples}).")

@@ -1,12 +1,7 @@
-"""The hub, through huggingface_hub: push a finished run (`create_repo` + `upload_folder`) and fetch a pushed one back
-by its id (`snapshot_download`) for `inference_lora.py --lora_dir user/repo` and `--resume_from_checkpoint user/repo`.
-
-A pushed repo holds what a user of the weights needs and what a resumed run needs, nothing else of the output folder:
-
-    pytorch_lora_weights.safetensors (or unet/)   the final weights
-    config.json, README.md                        the resolved training config, the model card
-    validation/{step|epoch}-N.png                 the last validation grid (the card shows it)
-    checkpoint-N/                                 the newest complete checkpoint, so that the run can be continued
+"""The hub, through huggingface_hub: hub ids, the repo of --push_to_hub (checked before anything loads, created
+before training) and `download` (`snapshot_download`), for `inference_lora.py --lora_dir user/repo` and
+`--resume_from_checkpoint user/repo` (`refl_ddpo.runs.hub_checkpoint`). What of a finished run is uploaded, and the
+upload, are `refl_ddpo.hub_push`'s; this module imports nothing of a run.
 
 HF_ENDPOINT points huggingface_hub at another server (the tests run a local stand-in of the hub's HTTP API).
 """
@@ -83,47 +78,6 @@ def create_hub_repo(cfg) -> str:
         raise _hub_error(f"--push_to_hub: could not create the hub repo {repo_name(cfg)}", e) from None
 
 
-def push_patterns(out_dir: Path, run_id: str | None = None) -> list[str]:
-    """What of a finished output folder goes to the hub (see the module doc); the checkpoint of run `run_id`."""
-    from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
-    from refl_ddpo.model_card import CARD_NAME
-    from refl_ddpo.runs import list_checkpoints
-    from refl_ddpo.validation import VALIDATION_DIR, validation_files
-
-    patterns = [LORA_WEIGHTS_NAME, f"{FULL_UNET_DIR}/*", CONFIG_NAME, CARD_NAME]
-    records = validation_files(out_dir)
-    if records:
-        patterns.append(f"{VALIDATION_DIR}/{records[-1]['grid']}")
-    complete = list_checkpoints(out_dir, run_id)
-    if complete:
-        patterns.append(f"{complete[-1].name}/*")
-    return patterns
-
-
-def push_run(cfg, repo_id: str, out_dir: str | Path, message: str) -> str:
-    """Upload the finished run in `out_dir` to `repo_id` (one commit); returns the commit's URL."""
-    from huggingface_hub import HfApi
-
-    from refl_ddpo.runs import run_info
-
-    try:
-        info = HfApi(token=cfg.hub_token).upload_folder(
-            repo_id=repo_id,
-            folder_path=str(out_dir),
-            allow_patterns=push_patterns(Path(out_dir), run_info(cfg).run_id),
-            commit_message=message,
-        )
-    except (
-        _hub_failures()
-    ) as e:  # network, auth, quota: one line; the local output folder is complete regardless
-        raise _hub_error(
-            f"--push_to_hub: uploading {out_dir} to {repo_id} failed, the local folder is complete; upload it "
-            "later with `hf upload`",
-            e,
-        ) from None
-    return str(getattr(info, "commit_url", info))
-
-
 def download(
     repo_id: str, flag: str, token: str | None = None, allow_patterns: list[str] | None = None
 ) -> Path:
@@ -136,19 +90,3 @@ def download(
         raise _hub_error(
             f"{flag} {repo_id}: not a local folder, and the hub repo of that id could not be fetched", e
         ) from None
-
-
-def hub_checkpoint(repo_id: str, token: str | None = None) -> Path:
-    """--resume_from_checkpoint user/repo: the newest complete checkpoint-N of a pushed run (downloaded)."""
-    from refl_ddpo.runs import MARKER, list_checkpoints
-
-    local = download(repo_id, "--resume_from_checkpoint", token)
-    if (local / MARKER).is_file():  # the repo is one checkpoint folder
-        return local
-    complete = list_checkpoints(local)
-    if not complete:
-        raise UserError(
-            f"--resume_from_checkpoint {repo_id}: the hub repo holds no complete checkpoint-N (push a run with "
-            "--push_to_hub, which uploads its newest one)."
-        )
-    return complete[-1]

@@ -86,3 +86,8 @@ def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")  # NaN is not JSON: never write it
     os.replace(tmp, path)
+
+
+def fmt_score(x: float | None, sign: bool = False) -> str:
+    """A score as printed and captioned: three decimals, n/a for None."""
+    return "n/a" if x is None else (f"{x:+.3f}" if sign else f"{x:.3f}")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 LAUNCHER_PID_ENV = "REFL_DDPO_LAUNCHER_PID"  # the launcher's pid: a worker whose parent is gone stops at once
 ERROR_DIR_ENV = "REFL_DDPO_ERROR_DIR"  # workers write their user error here as rank{RANK}.json
+PREFLIGHT_ENV = "REFL_DDPO_PREFLIGHT"  # launch.sh: only the checks, once, before starting the processes
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 AGENT_LOGGER = "torch.distributed.elastic"
 

@@ -46,16 +46,6 @@ def looks_local(name: str) -> bool:
     )
 
 
-def resolve_lora_targets(cfg) -> None:
-    """Unset --lora_target_modules: the model family's default LoRA targets (chosen from model_index.json)."""
-    if cfg.lora_target_modules is None:
-        from refl_ddpo.families import family_class
-
-        cfg.lora_target_modules = list(
-            family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules
-        )
-
-
 def check_pretrained_model(name: str) -> None:
     """Fail early, before anything heavy is imported or loaded, if a local model folder is missing."""
     if looks_local(name):

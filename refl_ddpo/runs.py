@@ -77,7 +77,7 @@ def _is_main_rank() -> bool:
 
 
 def _preflight_only() -> bool:
-    from refl_ddpo.training import PREFLIGHT_ENV
+    from refl_ddpo.launch import PREFLIGHT_ENV
 
     return bool(os.environ.get(PREFLIGHT_ENV))
 
@@ -219,7 +219,7 @@ def find_resume(
         return None, None
     path = Path(spec)
     if not path.is_dir():
-        from refl_ddpo.hub import hub_checkpoint, is_hub_id
+        from refl_ddpo.hub import is_hub_id
 
         if not is_hub_id(spec):
             raise UserError(
@@ -233,6 +233,22 @@ def find_resume(
             f"--resume_from_checkpoint {spec} is incomplete or damaged: {why}; resume another checkpoint-N."
         )
     return path, record
+
+
+def hub_checkpoint(repo_id: str, token: str | None = None) -> Path:
+    """--resume_from_checkpoint user/repo: the newest complete checkpoint-N of a pushed run (downloaded)."""
+    from refl_ddpo.hub import download
+
+    local = download(repo_id, "--resume_from_checkpoint", token)
+    if (local / MARKER).is_file():  # the repo is one checkpoint folder
+        return local
+    complete = list_checkpoints(local)
+    if not complete:
+        raise UserError(
+            f"--resume_from_checkpoint {repo_id}: the hub repo holds no complete checkpoint-N (push a run with "
+            "--push_to_hub, which uploads its newest one)."
+        )
+    return complete[-1]
 
 
 def check_resume_fits(
@@ -389,7 +405,7 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
 
     Only the main process (and launch.sh's preflight) checks and claims the folder; in launch.sh's preflight
     nothing is deleted or written."""
-    from refl_ddpo.training import check_output_dir
+    from refl_ddpo.outputs import check_output_dir
 
     output_dir = check_output_dir(cfg.output_dir)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by launch.sh / accelerate for every process

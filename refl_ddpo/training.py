@@ -13,11 +13,9 @@ import torch
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.errors import UserError
 from refl_ddpo.images import caption_grid
+from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import FULL_UNET_DIR, add_lora, load_lora_into_unet, save_lora, trainable_full_unet
-
-PREFLIGHT_ENV = (
-    "REFL_DDPO_PREFLIGHT"  # launch.sh: run the checks only, once, before starting several processes
-)
+from refl_ddpo.outputs import log_grid
 
 TRAIN_STATE_JSON = "train_state.json"  # our own counters, JSON
 TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and tensors (no pickle)
@@ -87,24 +85,6 @@ def check_identical_weights(accelerator, params: list[torch.nn.Parameter]) -> No
     if len(set(digests)) != 1:
         raise RuntimeError(f"processes diverged: weight digests {digests}")
     accelerator.print(f"weights identical on all {len(digests)} process(es) (sha256 {digests[0][:16]})")
-
-
-# ---- checks before anything is loaded ----
-
-
-def check_output_dir(path: str) -> Path:
-    """Create `path` (and check we may write there) before any model is loaded."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write_test.{os.getpid()}"  # one per process: ranks check at the same time
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(
-            f"--output_dir {path} is not writable ({e.strerror}); pick a folder you can write to."
-        )
-    return out
 
 
 # ---- accelerator and model ----
@@ -405,7 +385,7 @@ def save_final(
         print(f"saved final weights, config.json and {CARD_NAME} to {cfg.output_dir}", flush=True)
     accelerator.wait_for_everyone()
     if cfg.push_to_hub and accelerator.is_main_process:  # after the barrier: the others may finish meanwhile
-        from refl_ddpo.hub import push_run
+        from refl_ddpo.hub_push import push_run
 
         done = ", ".join(f"{v} {k}" for k, v in progress.items())
         url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}")
@@ -420,19 +400,6 @@ def log_image_grid(accelerator, tag: str, images: torch.Tensor, captions: list[s
     if not accelerator.is_main_process or accelerator.trackers == []:
         return
     log_grid(accelerator, tag, caption_grid(images, captions), step)
-
-
-def log_grid(accelerator, tag: str, grid: torch.Tensor, step: int) -> None:
-    """An image (3, H, W) uint8 to every tracker (main process only): tensorboard's add_image, wandb.Image."""
-    if not accelerator.is_main_process:
-        return
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_image(tag, grid, step)
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.run.log({tag: wandb.Image(grid.permute(1, 2, 0).numpy())}, step=step)
 
 
 def print_config(cfg: CommonConfig, extra: dict | None = None) -> None:

@@ -3,7 +3,7 @@
 Every trainer validates the same way (`Validator`), before its first step, every N steps (ReFL: optimizer steps;
 DDPO / GRPO: epochs) and after its last:
 
-    image j of prompt i      seeded --seed + i x num_validation_images + j (inference.py's `plan_images`)
+    image j of prompt i      seeded --seed + i x num_validation_images + j (`refl_ddpo.generate.plan_images`)
     sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x), the flow ODE (SD3),
                              --validation_num_steps steps, CFG --validation_guidance_scale (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
@@ -128,10 +128,10 @@ class Validator:
         """Validate (main process only; None elsewhere) and log at tracker step `log_step`."""
         if not self.accelerator.is_main_process:
             return None
-        from refl_ddpo.generate import fmt_score, generate_batch
-        from refl_ddpo.images import caption_grid
+        from refl_ddpo.generate import generate_batch
+        from refl_ddpo.images import caption_grid, fmt_score
+        from refl_ddpo.outputs import log_grid
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.training import log_grid
 
         network = self.family.network
         was_training = network.training

@@ -217,7 +217,7 @@ _NUMBER_CASES = [  # (config, argv, what the one line must name)
 
 
 def _config_class(name):
-    from refl_ddpo.generate import InferenceConfig, LoraInferenceConfig
+    from refl_ddpo.inference_config import InferenceConfig, LoraInferenceConfig
     from refl_ddpo.trainers.ddpo_config import DDPOConfig
     from refl_ddpo.trainers.refl_config import ReFLConfig
 

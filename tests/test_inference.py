@@ -12,11 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo import compare, generate
+from refl_ddpo import compare, inference
 from refl_ddpo.compare import compare_runs, paired_bootstrap_ci
 from refl_ddpo.config import parse_config
 from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.generate import LoraInferenceConfig, generate_batch
+from refl_ddpo.generate import generate_batch
+from refl_ddpo.inference_config import LoraInferenceConfig
 from refl_ddpo.lora import add_lora, save_lora
 from refl_ddpo.models import load_pipeline
 
@@ -160,13 +161,16 @@ def test_scores_json_pngs_and_grid(runs, tiny_models):
             assert im.size == (32, 32)
             assert im.text["prompt"] == r["prompt"] and int(im.text["seed"]) == r["seed"]
     assert (runs["base"] / "grid.png").is_file()
-    # each score is the ImageReward of its saved file
-    from refl_ddpo.rewards import imagereward
+    # each score is the ImageReward of its saved file, as the registry scores it (the one path)
+    from refl_ddpo.rewards import build_reward
 
-    model = imagereward.load(tiny_models, "cpu")
+    imagereward = build_reward("imagereward", "cpu", model_dir=str(tiny_models))
     for r in records[:2]:
         with Image.open(runs["base"] / r["file"]) as im:
-            assert model.score(r["prompt"], im.convert("RGB")) == pytest.approx(r["imagereward"], abs=1e-5)
+            x = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)[None].float() / 255
+        with torch.no_grad():
+            expected = float(imagereward(x, [r["prompt"]], [{}])[0][0])
+        assert expected == pytest.approx(r["imagereward"], abs=1e-5)
 
 
 def test_zero_lora_gives_the_base_images_and_a_trained_one_does_not(runs, tiny_sd):
@@ -362,7 +366,7 @@ def test_generation_keeps_no_autograd_graph_and_is_batch_independent(tiny_sd):
 
 def _config(tiny_sd, prompts_file, out: Path, *extra: str):
     return parse_config(
-        generate.InferenceConfig,
+        inference.InferenceConfig,
         [
             "--pretrained_model",
             str(tiny_sd),
@@ -387,7 +391,7 @@ def test_missing_imagereward_files_still_write_images_with_null_scores(
     tiny_sd, prompts_file, tmp_path, capsys
 ):
     cfg = _config(tiny_sd, prompts_file, tmp_path / "out", "--reward_model_dir", str(tmp_path / "no_reward"))
-    generate.run_inference(cfg)
+    inference.run_inference(cfg)
     scores = load_scores(tmp_path / "out")
     assert "ImageReward.pt" in scores["score_error"]
     assert scores["mean"] is None and scores["std"] is None
@@ -403,7 +407,7 @@ def test_failed_run_leaves_no_stale_scores(tiny_models, prompts_file, tmp_path, 
     out.mkdir()
     (out / "scores.json").write_text(json.dumps({"records": [], "mean": 9.9}))  # from an earlier run
     calls = []
-    real = generate.generate_batch
+    real = inference.generate_batch
 
     def fail_second_batch(*args, **kwargs):
         calls.append(1)
@@ -411,7 +415,7 @@ def test_failed_run_leaves_no_stale_scores(tiny_models, prompts_file, tmp_path, 
             raise RuntimeError("out of memory (simulated)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generate, "generate_batch", fail_second_batch)
+    monkeypatch.setattr(inference, "generate_batch", fail_second_batch)
     cfg = _config(
         tiny_models / "stable-diffusion",
         prompts_file,
@@ -422,7 +426,7 @@ def test_failed_run_leaves_no_stale_scores(tiny_models, prompts_file, tmp_path, 
         "1",
     )
     with pytest.raises(RuntimeError, match="simulated"):
-        generate.run_inference(cfg)
+        inference.run_inference(cfg)
     assert not (out / "scores.json").exists() and not list(out.glob(".*.tmp"))
 
 
@@ -466,7 +470,7 @@ def test_paired_bootstrap_interval():
 @pytest.mark.parametrize("scheduler", sorted(StableDiffusion.schedulers))
 def test_every_scheduler_choice_runs(scheduler, tiny_sd, tmp_path):
     cfg = _config(tiny_sd, tmp_path / "unused.txt", tmp_path / "out", "--scheduler", scheduler)
-    family = generate.load_inference_family(cfg)
+    family = inference.load_inference_family(cfg)
     assert type(family.pipe.scheduler).__name__ == StableDiffusion.schedulers[scheduler]
     a, b = (generate_batch(family, PROMPTS[:1], [5], 32, 2, 7.5) for _ in range(2))
     assert a.shape == (1, 3, 32, 32) and torch.isfinite(a).all() and torch.equal(a, b)

@@ -223,23 +223,23 @@ def test_resume_refuses_a_checkpoint_with_nan(broken, tiny_models, tmp_path, cap
 
 
 def test_a_non_finite_imagereward_score_stops_inference():
-    from refl_ddpo.generate import ImageRewardScorer
+    from refl_ddpo.inference import RewardScorer
 
-    class Model:
-        def score(self, prompt, images):
-            return [0.5, float("nan")][: len(images)]
+    def reward(images, prompts, metadata):  # ImageReward as the registry builds it, without loading it
+        return torch.tensor([0.5, float("nan")][: len(images)]), {}
 
-    scorer = object.__new__(ImageRewardScorer)  # without loading ImageReward
-    scorer.model, scorer.error = Model(), None
-    assert scorer(["a cat"], [None]) == [0.5]
+    scorer = object.__new__(RewardScorer)
+    scorer.spec, scorer.device, scorer.reward, scorer.error = "imagereward", torch.device("cpu"), reward, None
+    pixels = torch.zeros(2, 8, 8, 3, dtype=torch.uint8)  # (B, H, W, 3), as saved
+    assert scorer(["a cat"], pixels[:1]) == [0.5]
     with pytest.raises(
         UserError, match=r"ImageReward gave 1 non-finite score\(s\) \(NaN or inf\) of 2 images"
     ):
-        scorer(["a cat", "a cat"], [None, None])
+        scorer(["a cat", "a cat"], pixels)
 
 
 def test_inference_refuses_a_lora_with_nan(tiny_sd, tmp_path, capsys):
-    from refl_ddpo.generate import main_lora
+    from refl_ddpo.inference import main_lora
     from refl_ddpo.lora import add_lora, save_lora
     from refl_ddpo.models import load_pipeline
 

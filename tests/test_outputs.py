@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo import compare, generate
+from refl_ddpo import compare, inference
 from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
 from refl_ddpo.images import wrap_words
@@ -122,7 +122,7 @@ def test_compare_png_has_a_header_and_a_caption_per_pair(tmp_path):
 
 def _cfg(tiny_sd, prompts_file, out, *extra):
     return parse_config(
-        generate.InferenceConfig,
+        inference.InferenceConfig,
         [
             "--pretrained_model",
             str(tiny_sd),
@@ -156,23 +156,26 @@ def test_inference_scores_every_reward_named(tiny_models, tmp_path):
         "--rewards",
         "jpeg_incompressibility,imagereward",
     )
-    result = generate.run_inference(cfg)
+    result = inference.run_inference(cfg)
     scores = json.loads((out / "scores.json").read_text())
     assert scores["rewards"] == ["jpeg_incompressibility", "imagereward"] == result["rewards"]
-    from refl_ddpo.rewards import imagereward
+    from refl_ddpo.rewards import build_reward
     from refl_ddpo.rewards.jpeg import jpeg_size_kb
 
-    model = imagereward.load(str(tiny_models), "cpu")
+    # ImageReward as the registry scores it: the one path (tests/test_remote_reward.py checks it to 1e-6)
+    imagereward = build_reward("imagereward", "cpu", model_dir=str(tiny_models))
     for r in scores["records"]:
         with Image.open(out / r["file"]) as im:
             x = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1)[None].float() / 255
             assert r["jpeg_incompressibility"] == pytest.approx(float(jpeg_size_kb(x)[0]), abs=1e-6)
-            assert r["imagereward"] == pytest.approx(model.score(r["prompt"], im.convert("RGB")), abs=1e-5)
+            with torch.no_grad():
+                expected = float(imagereward(x, [r["prompt"]], [{}])[0][0])
+            assert r["imagereward"] == pytest.approx(expected, abs=1e-5)
     values = [r["jpeg_incompressibility"] for r in scores["records"]]
     assert scores["scores"]["jpeg_incompressibility"]["mean"] == pytest.approx(np.mean(values))
     assert scores["scorer"] == "jpeg_incompressibility" and scores["mean"] == pytest.approx(np.mean(values))
     # the default stays ImageReward alone
-    assert generate.InferenceConfig().rewards == "imagereward"
+    assert inference.InferenceConfig().rewards == "imagereward"
 
 
 @pytest.mark.parametrize(
@@ -185,7 +188,7 @@ def test_inference_scores_every_reward_named(tiny_models, tmp_path):
     ],
 )
 def test_bad_rewards_fail_before_loading(rewards, message, tmp_path, monkeypatch):
-    monkeypatch.setattr(generate, "load_inference_family", lambda cfg: pytest.fail("loaded a model"))
+    monkeypatch.setattr(inference, "load_inference_family", lambda cfg: pytest.fail("loaded a model"))
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
     with pytest.raises(UserError, match=message):

@@ -283,7 +283,7 @@ def test_inference_scores_with_a_remote_reward(served, tiny_models, tmp_path):
     from PIL import Image
     from test_outputs import _cfg
 
-    from refl_ddpo import generate
+    from refl_ddpo import inference
 
     spec, url = served
     prompts = tmp_path / "prompts.txt"
@@ -291,7 +291,7 @@ def test_inference_scores_with_a_remote_reward(served, tiny_models, tmp_path):
     out = tmp_path / "out"
     names = [f"remote:{url}", "jpeg_compressibility"]
     cfg = _cfg(tiny_models / "stable-diffusion", prompts, out, "--rewards", ",".join(names))
-    generate.run_inference(cfg)
+    inference.run_inference(cfg)
     scores = json.loads((out / "scores.json").read_text())
     assert scores["rewards"] == names
     local = build_reward(spec, "cpu", model_dir=str(tiny_models))
@@ -302,3 +302,61 @@ def test_inference_scores_with_a_remote_reward(served, tiny_models, tmp_path):
             expected = float(local(x, [r["prompt"]], [{}])[0][0])
         assert r[names[0]] == pytest.approx(expected, abs=1e-4)
         assert isinstance(r["jpeg_compressibility"], float)
+
+
+def _post_pngs(url: str, files: list[Path], prompts: list[str]) -> list[float]:
+    """What a client of its own gets for the saved PNG files, sent as they are (`encoding: png`)."""
+    import base64
+    import urllib.request
+
+    body = {
+        "images": {"encoding": "png", "data": [base64.b64encode(f.read_bytes()).decode() for f in files]},
+        "prompts": prompts,
+    }
+    req = urllib.request.Request(
+        url + "/score", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["rewards"]
+
+
+def test_inference_imagereward_is_the_registry_and_remote_reward_on_the_saved_images(tiny_models, tmp_path):
+    """One ImageReward path: the `imagereward` field of scores.json equals, on the PNGs as saved, the registry's
+    reward in process, a `remote:` server running it (the client's float32 batch) and that server sent the PNG files,
+    to 1e-6."""
+    import numpy as np
+    from PIL import Image
+    from test_outputs import _cfg
+
+    from refl_ddpo import inference
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na red apple on a wooden table\n")
+    out = tmp_path / "out"
+    cfg = _cfg(tiny_models / "stable-diffusion", prompts, out, "--reward_model_dir", str(tiny_models))
+    inference.run_inference(cfg)  # --rewards: imagereward, the default
+    records = json.loads((out / "scores.json").read_text())["records"]
+    files = [out / r["file"] for r in records]
+    texts = [r["prompt"] for r in records]
+    recorded = torch.tensor([r["imagereward"] for r in records], dtype=torch.float64)
+    pixels = []
+    for f in files:
+        with Image.open(f) as im:
+            pixels.append(torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1))
+    images = torch.stack(pixels).float() / 255  # (N, 3, H, W): the 8-bit images as saved
+    local = build_reward("imagereward", "cpu", model_dir=str(tiny_models))
+    with torch.no_grad():
+        in_process = local(images, texts, [{}] * len(texts))[0].double()
+    proc, url = start_reward_server("imagereward", tiny_models)
+    try:
+        remote = build_reward(f"remote:{url}", "cpu")(images, texts, [{}] * len(texts))[0].double()
+        from_pngs = torch.tensor(_post_pngs(url, files, texts), dtype=torch.float64)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    gaps = {
+        name: float((recorded - other).abs().max())
+        for name, other in (("registry", in_process), ("remote", remote), ("remote, PNGs", from_pngs))
+    }
+    print("max |inference - reward|:", gaps)
+    assert max(gaps.values()) <= 1e-6, (gaps, recorded, in_process)

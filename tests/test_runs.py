@@ -19,12 +19,12 @@ from helpers import script_env, trainer_flags
 
 from refl_ddpo import runs
 from refl_ddpo.config import parse_config
-from refl_ddpo.generate import run_inference
+from refl_ddpo.inference import run_inference
+from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 from refl_ddpo.prompts import DATA_DIR
 from refl_ddpo.trainers import ddpo, refl
 from refl_ddpo.trainers.refl import ReFLConfig
-from refl_ddpo.training import PREFLIGHT_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 TOY_SD = DATA_DIR / "toy_world" / "toy-sd"
@@ -368,7 +368,7 @@ def test_bad_lora_dir_or_inference_folder_is_one_line(run_dir, tiny_models, tmp_
 
 
 def test_inference_replaces_an_earlier_runs_images(tiny_models, tmp_path):
-    from refl_ddpo.generate import InferenceConfig
+    from refl_ddpo.inference_config import InferenceConfig
 
     out = tmp_path / "out"
     for prompts in (["a cat", "a dog"], ["a cat"]):

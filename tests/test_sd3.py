@@ -253,22 +253,22 @@ def test_refl_trains_a_lora_on_sd3_that_loads_in_stock_pipeline(tiny_models, tin
 
 
 def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, tmp_path):
-    from refl_ddpo import generate
+    from refl_ddpo import generate, inference
     from refl_ddpo.config import parse_config
     from refl_ddpo.errors import UserError
 
     flags = ["--pretrained_model", str(tiny_sd3), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]
-    cfg = parse_config(generate.InferenceConfig, flags)
-    family = generate.load_inference_family(cfg)
+    cfg = parse_config(inference.InferenceConfig, flags)
+    family = inference.load_inference_family(cfg)
     assert cfg.scheduler == "euler" and cfg.resolution == RES
     assert type(family.pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
     ours = generate.generate_batch(family, PROMPTS, SEEDS, RES, 4, 5.0)
     ref = stock(PROMPTS, num_inference_steps=4, guidance_scale=5.0, generator=_generators(), output_type="pt")
     assert (ours - ref.images).abs().max().item() <= 1 / 255
     with pytest.raises(UserError, match="does not fit a sd3 model"):
-        generate.load_inference_family(
-            parse_config(generate.InferenceConfig, [*flags, "--scheduler", "ddim"])
+        inference.load_inference_family(
+            parse_config(inference.InferenceConfig, [*flags, "--scheduler", "ddim"])
         )
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from refl_ddpo.errors import UserError
 from refl_ddpo.families.base import Cond, ModelFamily, cond_cat, cond_expand
 
-__all__ = ["Cond", "ModelFamily", "cond_cat", "cond_expand", "family_class", "load_family"]
+__all__ = [
+    "Cond",
+    "ModelFamily",
+    "cond_cat",
+    "cond_expand",
+    "family_class",
+    "load_family",
+    "resolve_lora_targets",
+]
 
 # model_index.json _class_name -> (module, class); a static table, so choosing a family imports nothing heavy.
 FAMILIES = {
@@ -35,3 +43,13 @@ def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> M
     pipeline_class = pipeline_class_name(name)
     cls = family_class(pipeline_class)
     return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
+
+
+def resolve_lora_targets(cfg) -> None:
+    """Unset --lora_target_modules: the model family's default LoRA targets (chosen from model_index.json)."""
+    if cfg.lora_target_modules is None:
+        from refl_ddpo.models import pipeline_class_name
+
+        cfg.lora_target_modules = list(
+            family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules
+        )

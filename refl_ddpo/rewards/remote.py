@@ -72,7 +72,9 @@ def decode_images(obj) -> torch.Tensor:
                 raise ValueError(f"png image {i} could not be read ({type(e).__name__})") from None
         if len({a.shape for a in arrays}) != 1:
             raise ValueError("png images must all have the same size")
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255
+        # contiguous [B, 3, H, W], as the raw encoding gives: a reward then scores a PNG as it scores the same pixels
+        # sent raw (a channels-last view rounds differently in the resize before a model, by up to about 1e-6)
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().float() / 255
     if encoding != "raw":
         raise ValueError(f"unknown image encoding {encoding!r} (raw or png)")
     dtype, shape = obj.get("dtype"), obj.get("shape")

@@ -147,8 +147,9 @@ class Algorithm:
 def shared_checks(cfg: CommonConfig) -> None:
     """The checks every trainer makes before a model is loaded: the base model, the LoRA targets (resolved here: the
     run records them), the reward's files, the validation prompts, the hub settings."""
+    from refl_ddpo.families import resolve_lora_targets
     from refl_ddpo.hub import check_push
-    from refl_ddpo.models import check_pretrained_model, resolve_lora_targets
+    from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.validation import check_validation_prompts
 
