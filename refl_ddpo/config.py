@@ -56,6 +56,14 @@ class ConfigBase:
     ALIASES: ClassVar[dict[str, str]] = {}  # alias field -> the field it stands for
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}  # --preset NAME -> field values (a defaults layer)
 
+    def __post_init__(self) -> None:
+        """An alias left unset reads as its field (the saved config reads either way)."""
+        for alias, name in self.ALIASES.items():
+            if getattr(self, alias) is None:
+                object.__setattr__(
+                    self, alias, getattr(self, name)
+                )  # during construction: frozen configs too
+
     def to_dict(self) -> dict:
         """The fields as a dict, secrets (a field with `secret=True`, e.g. --hub_token) as None: this is what
         config.json, the trackers and the printed config get."""
@@ -143,7 +151,7 @@ def accelerate_mixed_precision() -> str:
     return value if value in ("no", "fp16", "bf16") else "no"
 
 
-@dataclass
+@dataclass(frozen=True)
 class CommonConfig(ConfigBase):
     """Fields shared by all trainers."""
 
@@ -287,10 +295,13 @@ class CommonConfig(ConfigBase):
         secret=True,
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mixed_precision is None:  # during construction: the config is frozen afterwards
+            object.__setattr__(self, "mixed_precision", accelerate_mixed_precision())
+
     def check(self) -> None:
         super().check()
-        if self.mixed_precision is None:
-            self.mixed_precision = accelerate_mixed_precision()
         self.check_positive(
             "num_inference_steps",
             "train_batch_size",
@@ -557,8 +568,6 @@ def parse_layers(cls: type, argv: list[str] | None = None, description: str | No
 
 def parse_config(cls: type, argv: list[str] | None = None, description: str | None = None):
     """Parse the layers (script defaults, preset, --config FILE, flags) into a checked `cls` instance."""
-    cfg = cls(**parse_layers(cls, argv, description))
-    for alias, name in getattr(cls, "ALIASES", {}).items():  # the saved config reads either way
-        setattr(cfg, alias, getattr(cfg, name))
+    cfg = cls(**parse_layers(cls, argv, description))  # aliases filled in by __post_init__
     cfg.check()
     return cfg

@@ -33,17 +33,16 @@ def push_patterns(out_dir: Path, run_id: str | None = None) -> list[str]:
     return patterns
 
 
-def push_run(cfg, repo_id: str, out_dir: str | Path, message: str) -> str:
-    """Upload the finished run in `out_dir` to `repo_id` (one commit); returns the commit's URL."""
+def push_run(cfg, repo_id: str, out_dir: str | Path, message: str, run_id: str | None = None) -> str:
+    """Upload the finished run in `out_dir` to `repo_id` (one commit), with the newest checkpoint of run `run_id`;
+    returns the commit's URL."""
     from huggingface_hub import HfApi
-
-    from refl_ddpo.runs import run_info
 
     try:
         info = HfApi(token=cfg.hub_token).upload_folder(
             repo_id=repo_id,
             folder_path=str(out_dir),
-            allow_patterns=push_patterns(Path(out_dir), run_info(cfg).run_id),
+            allow_patterns=push_patterns(Path(out_dir), run_id),
             commit_message=message,
         )
     except (

@@ -16,7 +16,7 @@ resumed run keeps the run id of its checkpoint, and checkpoint rotation (`--chec
 checkpoints of the run that is writing, so a checkpoint of another run is never deleted in place of its own.
 
 Every refusal is one `UserError` line, raised before any model is loaded (except the resolution when it is left to
-the model's default: `check_resumed_resolution` runs after loading).
+the model's default: `check_resumed_resolution` runs after loading, with start_run's RunInfo).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")
 # output folders this process claimed (resolved path -> run id), for release_run
 _claimed: dict[str, str] = {}
-RUN_INFO_ATTR = "_run_info"  # where start_run leaves the RunInfo on the config (not a field: never saved)
 
 # Config fields a resumed run must share with its checkpoint (the LoRA ones only when both use LoRA).
 RESUME_SETTINGS = ("pretrained_model", "resolution", "seed", "use_lora")
@@ -57,15 +56,6 @@ class RunInfo:
     trainer: str
     resume: Path | None = None
     resume_record: dict | None = None  # the checkpoint.json of `resume`
-
-
-def run_info(cfg) -> RunInfo:
-    """The RunInfo that `start_run` left on `cfg` (a throwaway one where it did not run, e.g. in a library call)."""
-    info = getattr(cfg, RUN_INFO_ATTR, None)
-    if info is None:
-        info = RunInfo(run_id=new_run_id(), trainer=type(cfg).__name__)
-        setattr(cfg, RUN_INFO_ATTR, info)
-    return info
 
 
 def new_run_id() -> str:
@@ -102,9 +92,8 @@ def _settings(cfg) -> dict:
     return settings
 
 
-def write_marker(folder: Path, cfg, step: int, num_processes: int) -> None:
+def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo) -> None:
     """Write folder/checkpoint.json, last: the run, the settings to match on resume, every file's size."""
-    info = run_info(cfg)
     files = {
         p.relative_to(folder).as_posix(): p.stat().st_size
         for p in sorted(folder.rglob("*"))
@@ -297,9 +286,8 @@ def _mismatch(where: str, name: str, ours, saved) -> str:
     )
 
 
-def check_resumed_resolution(cfg) -> None:
+def check_resumed_resolution(cfg, info: RunInfo | None) -> None:
     """After loading: a resolution left to the model's default must be the one the checkpoint was trained at."""
-    info = getattr(cfg, RUN_INFO_ATTR, None)
     if info is None or info.resume_record is None:
         return
     saved = info.resume_record.get("settings", {}).get("resolution")
@@ -397,10 +385,10 @@ def clear_run(cfg, output_dir: Path) -> list[str]:
     return names
 
 
-def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
+def start_run(cfg, trainer: str, steps_field: str) -> RunInfo:
     """Before any model is loaded: check output_dir (writable; free, continued or overwritten) and the checkpoint
     to resume (complete, readable, fitting this config and process count); claim output_dir for this run. Returns
-    the checkpoint to resume from, or None. `steps_field` is the config field that bounds the checkpoint number
+    the run's RunInfo (its id, and `.resume`: the checkpoint to resume from, or None). `steps_field` is the config field that bounds the checkpoint number
     (max_train_steps, num_epochs).
 
     Only the main process (and launch.sh's preflight) checks and claims the folder; in launch.sh's preflight
@@ -415,7 +403,6 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
         if _is_main_rank():  # reads every file: once is enough
             check_checkpoint_files(resume, record)
     info = RunInfo(record["run_id"] if record else new_run_id(), trainer, resume, record)
-    setattr(cfg, RUN_INFO_ATTR, info)
     if _is_main_rank():
         clear = _check_claim(cfg, output_dir, resume, record)
         if not _preflight_only():
@@ -425,7 +412,7 @@ def start_run(cfg, trainer: str, steps_field: str) -> Path | None:
             tmp.write_text(json.dumps({"run_id": info.run_id, "trainer": trainer}, indent=2) + "\n")
             os.replace(tmp, output_dir / RUN_FILE)
             _claimed[str(output_dir.resolve())] = info.run_id
-    return resume
+    return info
 
 
 def release_run(cfg) -> None:

@@ -128,12 +128,12 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def make_trainable(network, cfg: CommonConfig) -> list[torch.nn.Parameter]:
-    """LoRA adapters (or the whole network) trainable in fp32; gradient checkpointing if asked."""
+def make_trainable(network, cfg: CommonConfig, targets: list[str] | None = None) -> list[torch.nn.Parameter]:
+    """LoRA adapters on `targets` (default: cfg.lora_target_modules), or the whole network, trainable in fp32;
+    gradient checkpointing if asked."""
     if cfg.use_lora:
-        params = add_lora(
-            network, cfg.lora_rank, cfg.resolved_lora_alpha, cfg.lora_target_modules, cfg.lora_init
-        )
+        targets = targets or cfg.lora_target_modules
+        params = add_lora(network, cfg.lora_rank, cfg.resolved_lora_alpha, targets, cfg.lora_init)
     else:
         params = trainable_full_unet(network)
     if cfg.gradient_checkpointing:
@@ -143,26 +143,33 @@ def make_trainable(network, cfg: CommonConfig) -> list[torch.nn.Parameter]:
 
 def load_trainable_family(accelerator, cfg: CommonConfig):
     """(family, trainable params, weight dtype): the model in the mixed-precision dtype on the accelerator's device,
-    `cfg.resolution` resolved to the model's native one where unset (and checked), LoRA (or all) trainable, and
-    accelerate's save/load hooks registered for the network."""
+    LoRA (or all) trainable (on the family's default targets where the config leaves them unset), and accelerate's
+    save/load hooks registered for the network."""
     from refl_ddpo.families import load_family
-    from refl_ddpo.runs import check_resumed_resolution
 
     dtype = weight_dtype(accelerator)
     family = load_family(cfg.pretrained_model, dtype, accelerator.device, drop_t5=cfg.drop_t5)
+    params = make_trainable(family.network, cfg, cfg.lora_target_modules or list(family.lora_target_modules))
+    register_network_hooks(accelerator, family.network)
+    return family, params, dtype
+
+
+def resolve_resolution(cfg: CommonConfig, family, info=None) -> CommonConfig:
+    """The config with an unset --resolution resolved to the model's native one (a copy), checked against the VAE
+    and, when resuming (`info`, start_run's RunInfo), against the resolution the checkpoint was trained at."""
+    import dataclasses
+
+    from refl_ddpo.runs import check_resumed_resolution
+
     if cfg.resolution is None:
-        cfg.resolution = family.native_resolution
+        cfg = dataclasses.replace(cfg, resolution=family.native_resolution)
     if cfg.resolution % family.vae_scale_factor:
         raise UserError(
             f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
             f"{family.vae_scale_factor}."
         )
-    check_resumed_resolution(cfg)
-    if cfg.lora_target_modules is None:  # the trainers' preflight resolves it; a direct call gets the same
-        cfg.lora_target_modules = list(family.lora_target_modules)
-    params = make_trainable(family.network, cfg)
-    register_network_hooks(accelerator, family.network)
-    return family, params, dtype
+    check_resumed_resolution(cfg, info)
+    return cfg
 
 
 LOG_RUN_PREFIX = "run-"  # output_dir/logging_dir/run-N/: one log run per start of a trainer into the folder
@@ -289,7 +296,7 @@ def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
 
 
 def save_checkpoint(
-    accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor]
+    accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor], info
 ) -> Path:
     """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
     checkpoint.json last (refl_ddpo.runs: the run, the settings a resume must match, every file's size).
@@ -297,7 +304,7 @@ def save_checkpoint(
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
     --checkpoints_total_limit then deletes the oldest checkpoints of this run only.
     """
-    from refl_ddpo.runs import rotate_checkpoints, run_info, write_marker
+    from refl_ddpo.runs import rotate_checkpoints, write_marker
 
     final = Path(cfg.output_dir) / f"checkpoint-{step}"
     tmp = Path(cfg.output_dir) / f".checkpoint-{step}.tmp"
@@ -318,12 +325,12 @@ def save_checkpoint(
             {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS)
         )
         (tmp / TRAIN_STATE_JSON).write_text(json.dumps(counters, indent=2) + "\n")
-        write_marker(tmp, cfg, step, accelerator.num_processes)
+        write_marker(tmp, cfg, step, accelerator.num_processes, info)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         if cfg.checkpoints_total_limit:
-            rotate_checkpoints(cfg.output_dir, run_info(cfg).run_id, cfg.checkpoints_total_limit)
+            rotate_checkpoints(cfg.output_dir, info.run_id, cfg.checkpoints_total_limit)
     accelerator.wait_for_everyone()
     return final
 
@@ -356,6 +363,7 @@ def save_final(
     trainer: str,
     progress: dict[str, int],
     repo_id: str | None = None,
+    run_id: str | None = None,
 ) -> None:
     """The final LoRA (diffusers format), the resolved config and the model card README.md (refl_ddpo.model_card)
     at the top of output_dir; then, with --push_to_hub, the upload to `repo_id` (main process). A local base model is
@@ -388,7 +396,7 @@ def save_final(
         from refl_ddpo.hub_push import push_run
 
         done = ", ".join(f"{v} {k}" for k, v in progress.items())
-        url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}")
+        url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}", run_id)
         print(f"pushed to the hub repo {repo_id}: {url}", flush=True)
 
 

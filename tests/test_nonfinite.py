@@ -4,6 +4,7 @@ weight with NaN is written or loaded, broken model folders and scores.json recor
 
 The cases that need no model (config values, --config files, prompt files) are in test_config.py."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def test_ddpo_non_finite_rewards_are_an_error_by_default():
         match=r"gave 2 non-finite reward\(s\) \(NaN or inf\) of 4 samples in epoch 3.*--nonfinite_rewards drop",
     ):
         check_rewards(cfg, rewards, epoch=2)
-    cfg.nonfinite_rewards = "drop"
+    cfg = dataclasses.replace(cfg, nonfinite_rewards="drop")
     assert check_rewards(cfg, rewards, epoch=2).tolist() == [True, False, False, True]
     assert check_rewards(cfg, torch.ones(3), epoch=0).all()
     with pytest.raises(UserError, match="4 non-finite reward"):

@@ -305,9 +305,10 @@ def test_overwrite_clears_the_old_run_and_claims_the_folder(
     for k in (PREFLIGHT_ENV, "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     cfg = parse_config(ReFLConfig, _refl_flags(tiny_models, copy) + ["--overwrite_output_dir"])
-    assert runs.start_run(cfg, "refl", "max_train_steps") is None
+    info = runs.start_run(cfg, "refl", "max_train_steps")
+    assert info.resume is None
     assert sorted(p.name for p in copy.iterdir()) == ["notes.txt", "run.json"]
-    assert json.loads((copy / "run.json").read_text())["run_id"] == runs.run_info(cfg).run_id
+    assert json.loads((copy / "run.json").read_text())["run_id"] == info.run_id
     assert "deleted checkpoint-1, checkpoint-2" in capsys.readouterr().out
     runs.release_run(cfg)  # a user error before anything was written gives the folder back
     assert sorted(p.name for p in copy.iterdir()) == ["notes.txt"]

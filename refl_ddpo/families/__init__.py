@@ -45,11 +45,14 @@ def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> M
     return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
 
 
-def resolve_lora_targets(cfg) -> None:
-    """Unset --lora_target_modules: the model family's default LoRA targets (chosen from model_index.json)."""
-    if cfg.lora_target_modules is None:
-        from refl_ddpo.models import pipeline_class_name
+def resolve_lora_targets(cfg):
+    """The config with unset --lora_target_modules resolved to the model family's default LoRA targets (chosen from
+    model_index.json, before any weights load): a copy, the config itself stays as it was."""
+    if cfg.lora_target_modules is not None:
+        return cfg
+    import dataclasses
 
-        cfg.lora_target_modules = list(
-            family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules
-        )
+    from refl_ddpo.models import pipeline_class_name
+
+    targets = list(family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules)
+    return dataclasses.replace(cfg, lora_target_modules=targets)

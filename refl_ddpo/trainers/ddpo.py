@@ -387,7 +387,7 @@ def train(cfg: DDPOConfig, image_samples_hook: ImageSamplesHook | None = None) -
 
 def preflight(cfg: DDPOConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
-    return DDPO(cfg).preflight()
+    return DDPO(cfg).preflight().resume
 
 
 @cli_main

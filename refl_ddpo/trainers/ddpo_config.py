@@ -13,7 +13,7 @@ from refl_ddpo.rewards import parse_reward_spec
 from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
 
 
-@dataclass
+@dataclass(frozen=True)
 class DDPOConfig(CommonConfig):
     """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
 
@@ -162,8 +162,9 @@ class DDPOConfig(CommonConfig):
     )
 
     def __post_init__(self) -> None:
-        if self.prompt_fn is None:
-            self.prompt_fn = "from_file" if self.prompts_file else "imagenet_animals"
+        super().__post_init__()
+        if self.prompt_fn is None:  # during construction: the config is frozen afterwards
+            object.__setattr__(self, "prompt_fn", "from_file" if self.prompts_file else "imagenet_animals")
 
     def check(self) -> None:
         self.check_numbers()  # first: NaN != NaN would read as an alias disagreeing with its field
@@ -191,11 +192,9 @@ class DDPOConfig(CommonConfig):
         self._check_sources()
 
     def _check_aliases(self) -> None:
-        """parse_config resolved the aliases; a config built directly fills them here, or refuses a disagreement."""
+        """An alias given beside its field must agree with it (__post_init__ filled the ones left unset)."""
         for alias, name in self.ALIASES.items():
-            if getattr(self, alias) is None:
-                setattr(self, alias, getattr(self, name))
-            elif getattr(self, alias) != getattr(self, name):
+            if getattr(self, alias) != getattr(self, name):
                 raise UserError(
                     f"--{alias} {getattr(self, alias)} and --{name} {getattr(self, name)} disagree; "
                     f"--{alias} is an alias of --{name}: give only one of them."

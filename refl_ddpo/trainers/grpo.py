@@ -112,7 +112,7 @@ def train(cfg: GRPOConfig, image_samples_hook=None):
 
 def preflight(cfg: GRPOConfig):
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
-    return GRPO(cfg).preflight()
+    return GRPO(cfg).preflight().resume
 
 
 @cli_main

@@ -13,7 +13,7 @@ from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, DDPOConfig
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 
 
-@dataclass
+@dataclass(frozen=True)
 class GRPOConfig(DDPOConfig):
     """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
     --group_size times and a sample's advantage is its reward against its group's. Defaults: DDPO's, with group

@@ -387,7 +387,7 @@ def train(cfg: ReFLConfig) -> Path:
 
 def preflight(cfg: ReFLConfig) -> Path | None:
     """Everything checkable before a model is loaded; returns the checkpoint to resume from (or None)."""
-    return ReFL(cfg).preflight()
+    return ReFL(cfg).preflight().resume
 
 
 @cli_main

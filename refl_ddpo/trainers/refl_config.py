@@ -14,7 +14,7 @@ from refl_ddpo.prompts import DATA_DIR
 TOY_WORLD_DIR = DATA_DIR / "toy_world"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReFLConfig(CommonConfig):
     """ReFL (ImageReward's Reward Feedback Learning) on Stable Diffusion, LoRA or full network, one or many GPUs."""
 

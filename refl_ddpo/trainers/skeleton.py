@@ -27,17 +27,19 @@ import torch
 
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.families import ModelFamily
+from refl_ddpo.runs import RunInfo
 
 
 @dataclass
 class Run:
     """What the skeleton built, handed to every part of the algorithm."""
 
-    cfg: CommonConfig
+    cfg: CommonConfig  # resolved (frozen): the same object from the set-up to the final save
     accelerator: Any
     family: ModelFamily
     params: list[torch.nn.Parameter]  # the trainable tensors (LoRA, or the whole network)
     dtype: torch.dtype  # of the frozen weights
+    info: RunInfo  # the run's id and the checkpoint it resumes from (refl_ddpo.runs.start_run)
     network: Any = (
         None  # the prepared (DDP-wrapped on several processes) network: every forward with grad calls it
     )
@@ -66,16 +68,18 @@ class Algorithm:
 
     # ---- before any model loads ----
 
-    def preflight(self) -> Path | None:
-        """Everything checkable before a model is loaded; claims output_dir; returns the checkpoint to resume from."""
+    def preflight(self) -> RunInfo:
+        """Everything checkable before a model is loaded, the config resolved as far as it can be without the model;
+        claims output_dir; returns the run's RunInfo (`.resume`: the checkpoint to resume from, or None)."""
         from refl_ddpo.runs import start_run
 
-        shared_checks(self.cfg)
+        self.cfg = shared_checks(self.cfg)
         self.check()
         return start_run(self.cfg, self.name, self.iterations_field)
 
     def check(self) -> None:
-        """The algorithm's own checks before any model loads (after the shared ones, before output_dir is claimed)."""
+        """The algorithm's own checks before any model loads (after the shared ones, before output_dir is claimed);
+        it may resolve more of the config (`self.cfg = dataclasses.replace(...)`): nothing changes it later."""
 
     def accumulation_steps(self) -> int:
         """Backward passes per optimizer step on one process (accelerate's gradient_accumulation_steps)."""
@@ -144,9 +148,9 @@ class Algorithm:
         return {}
 
 
-def shared_checks(cfg: CommonConfig) -> None:
+def shared_checks(cfg: CommonConfig) -> CommonConfig:
     """The checks every trainer makes before a model is loaded: the base model, the LoRA targets (resolved here: the
-    run records them), the reward's files, the validation prompts, the hub settings."""
+    run records them), the reward's files, the validation prompts, the hub settings. Returns the resolved config."""
     from refl_ddpo.families import resolve_lora_targets
     from refl_ddpo.hub import check_push
     from refl_ddpo.models import check_pretrained_model
@@ -154,19 +158,21 @@ def shared_checks(cfg: CommonConfig) -> None:
     from refl_ddpo.validation import check_validation_prompts
 
     check_pretrained_model(cfg.pretrained_model)
-    resolve_lora_targets(cfg)
+    cfg = resolve_lora_targets(cfg)
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     check_validation_prompts(cfg)
     check_push(cfg)
+    return cfg
 
 
-def set_up(algo: Algorithm) -> tuple[Run, Path | None, str | None]:
-    """The checks, the accelerator, the hub repo and the models: (run, checkpoint to resume from, hub repo id)."""
+def set_up(algo: Algorithm) -> tuple[Run, str | None]:
+    """The checks, the accelerator, the hub repo and the models: (run, hub repo id). The config is resolved here
+    once (the preflight, then the model's native resolution) and handed on; nothing writes to it afterwards."""
     from accelerate.utils import set_seed
 
-    from refl_ddpo.training import load_trainable_family, make_accelerator, make_optimizer
+    from refl_ddpo.training import load_trainable_family, make_accelerator, make_optimizer, resolve_resolution
 
-    resume = algo.preflight()
+    info = algo.preflight()
     cfg = algo.cfg  # as the preflight resolved it
     accelerator = make_accelerator(cfg, algo.accumulation_steps())
     algo.check_processes(accelerator.num_processes)
@@ -177,19 +183,20 @@ def set_up(algo: Algorithm) -> tuple[Run, Path | None, str | None]:
         repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
     family, params, dtype = load_trainable_family(accelerator, cfg)
-    run = Run(cfg, accelerator, family, params, dtype)
+    cfg = algo.cfg = resolve_resolution(cfg, family, info)
+    run = Run(cfg, accelerator, family, params, dtype, info)
     algo.setup(run)
     run.optimizer = make_optimizer(params, cfg)
     algo.setup_optimizer(run)
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
-    return run, resume, repo_id
+    return run, repo_id
 
 
-def start(algo: Algorithm, run: Run, resume: Path | None) -> int:
+def start(algo: Algorithm, run: Run) -> int:
     """Trackers, the config printed, the resumed state; returns the iterations already done."""
     from refl_ddpo.training import load_checkpoint, print_config, start_trackers
 
-    cfg, accelerator = run.cfg, run.accelerator
+    cfg, accelerator, resume = run.cfg, run.accelerator, run.info.resume
     start_trackers(accelerator, cfg, algo.name)
     if accelerator.is_main_process:
         print_config(
@@ -209,9 +216,9 @@ def run_training(algo: Algorithm) -> Path:
     from refl_ddpo.training import check_identical_weights, save_checkpoint, save_final
     from refl_ddpo.validation import make_validator
 
-    run, resume, repo_id = set_up(algo)
+    run, repo_id = set_up(algo)
     cfg, accelerator = run.cfg, run.accelerator
-    first = start(algo, run, resume)
+    first = start(algo, run)
     validator = make_validator(
         accelerator,
         run.family,
@@ -237,7 +244,7 @@ def run_training(algo: Algorithm) -> Path:
             if validator is not None and validator.due(done):
                 validate(done)
             if algo.checkpoint_due(done):
-                path = save_checkpoint(accelerator, cfg, done, *algo.state(run, done))
+                path = save_checkpoint(accelerator, cfg, done, *algo.state(run, done), run.info)
                 if accelerator.is_local_main_process:
                     from tqdm.auto import tqdm
 
@@ -246,7 +253,7 @@ def run_training(algo: Algorithm) -> Path:
         algo.end(run)
     # the result: always, at the top of output_dir
     progress = algo.finish(run)
-    save_final(accelerator, run.network, cfg, run.family, algo.name, progress, repo_id)
+    save_final(accelerator, run.network, cfg, run.family, algo.name, progress, repo_id, run.info.run_id)
     check_identical_weights(accelerator, run.params)
     accelerator.end_training()
     return Path(cfg.output_dir)
