@@ -239,7 +239,7 @@ class CudaOnMeta(TorchFunctionMode):
 
     def _attention(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        a = dict(zip(names, args)) | kwargs
+        a = dict(zip(names, args, strict=False)) | kwargs
         q, k, v, mask = a["query"], a["key"], a["value"], a.get("attn_mask")
         if not _on_device(q) or q.dim() != 4 or a.get("enable_gqa"):
             return func(*args, **kwargs)
@@ -339,7 +339,7 @@ def cuda_on_meta():
             checkpoint_module._CheckpointFrame,
             checkpoint_module.CheckpointFunction,
         ) = saved
-        for s, d in zip(states, devices):  # the accelerator was made with cpu=True
+        for s, d in zip(states, devices, strict=False):  # the accelerator was made with cpu=True
             if "device" in s:
                 s["device"] = d if d is not None else torch.device("cpu")
 

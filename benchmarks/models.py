@@ -312,7 +312,7 @@ class Bench:
 
     def prompts(self, batch: int) -> tuple[list[str], list[dict]]:
         """The next `batch` prompts (and metadata) of the run's prompt source."""
-        prompts, metadata = zip(*(self.prompt_fn() for _ in range(batch)))
+        prompts, metadata = zip(*(self.prompt_fn() for _ in range(batch)), strict=False)
         return list(prompts), list(metadata)
 
     def ddpo_config(self):

@@ -201,7 +201,7 @@ class EpochClock:
         and the optimizer's state allocation): wall and CPU seconds and the work done in it."""
         return [
             {"wall_s": w1 - w0, "cpu_s": c1 - c0, **{k: n1[k] - n0[k] for k in n1}}
-            for (w0, c0, n0), (w1, c1, n1) in list(zip(self.marks, self.marks[1:]))[1:]
+            for (w0, c0, n0), (w1, c1, n1) in list(zip(self.marks, self.marks[1:], strict=False))[1:]
         ]
 
 
@@ -365,7 +365,7 @@ def report(out: Path, command: str) -> dict:
         if runs["ours"]["config"] != runs["trl"]["config"] or runs["ours"]["config"] != config:
             raise SystemExit(f"error: pair {pair}: the sides' configs differ from each other or from pair 1")
         expected = expected_work(config)
-        for i, (a, b) in enumerate(zip(runs["ours"]["epochs"], runs["trl"]["epochs"])):
+        for i, (a, b) in enumerate(zip(runs["ours"]["epochs"], runs["trl"]["epochs"], strict=False)):
             work = {k: a[k] for k in expected}
             if work != {k: b[k] for k in expected} or work != expected:
                 raise SystemExit(f"error: pair {pair} epoch {i}: unequal work, ours {a}, TRL {b}")

@@ -247,7 +247,7 @@ def report(results: dict, out: Path) -> str:
         "    x-axis [" + ", ".join(f"{t:.0f}" for t in grid) + "]",
         '    y-axis "accuracy" 0.3 --> 0.9',
     ]
-    for name, curve in curves.items():
+    for curve in curves.values():
         values = [at(curve, t) for t in grid]
         last = max(i for i, v in enumerate(values) if v is not None)
         lines.append(f"    line [{', '.join(f'{v:.3f}' for v in values[: last + 1])}]")
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     runs_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(n, s) for n in names for s in seeds]
     with ThreadPoolExecutor(a.jobs) as pool:
-        trained = dict(zip(jobs, pool.map(lambda j: train(*j, runs_dir, sys.executable), jobs)))
+        trained = dict(zip(jobs, pool.map(lambda j: train(*j, runs_dir, sys.executable), jobs), strict=False))
     base_cache = out / "base_accuracy.json"
     if not base_cache.exists():
         base_cache.write_text(json.dumps(judge(None)))
@@ -292,11 +292,11 @@ def main(argv: list[str] | None = None) -> None:
         return [judged(run, step) for step, _ in trained[job]["checkpoints"]]
 
     with ThreadPoolExecutor(a.jobs) as pool:  # one run's checkpoints in order (one accuracy.json per run)
-        accuracies = dict(zip(jobs, pool.map(judge_run, jobs)))
+        accuracies = dict(zip(jobs, pool.map(judge_run, jobs), strict=False))
     for (name, seed), tr in trained.items():
         results["runs"].setdefault(name, {})[str(seed)] = [
             {"step": step, "cpu_s": round(cpu, 1), "accuracy": acc}
-            for (step, cpu), acc in zip(tr["checkpoints"], accuracies[(name, seed)])
+            for (step, cpu), acc in zip(tr["checkpoints"], accuracies[(name, seed)], strict=False)
         ]
     results["configs"] = {
         n: {"script": CONFIGS[n][0], "flags": CONFIGS[n][1] + CONFIGS[n][2], "what": CONFIGS[n][3]}

@@ -201,10 +201,10 @@ def paired_statistics(
         return {"score_error": "; ".join(errors) or "some images have no score"}
     before_scores = [b[name] for b, _ in pairs]
     after_scores = [a[name] for _, a in pairs]
-    deltas = [a - b for b, a in zip(before_scores, after_scores)]
+    deltas = [a - b for b, a in zip(before_scores, after_scores, strict=True)]
     wins, ties = sum(d > 0 for d in deltas), sum(d == 0 for d in deltas)
     per_prompt: dict[str, list[tuple[float, float]]] = {}  # prompt -> [(before, after)] over its seeds
-    for (rb, _), b, a in zip(pairs, before_scores, after_scores):
+    for (rb, _), b, a in zip(pairs, before_scores, after_scores, strict=True):
         per_prompt.setdefault(rb["prompt"], []).append((b, a))
     lo, hi = paired_bootstrap_ci(deltas, num_resamples, seed)
     return {

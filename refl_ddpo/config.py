@@ -111,7 +111,7 @@ class ConfigBase:
                 want = f"a number in {lower[0]}{lower[1]}, {upper[1]}{upper[0]}"
             elif lower or upper:
                 op, bound = lower or upper
-                want = f"a number {dict(zip('([)]', ('>', '>=', '<', '<=')))[op]} {bound}"
+                want = f"a number {dict(zip('([)]', ('>', '>=', '<', '<='), strict=True))[op]} {bound}"
             else:
                 want = "a finite number"
             if m.get("allow_inf"):
@@ -457,7 +457,9 @@ def _load_config_file(path: str, cls: type) -> dict:
     try:
         data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:  # parse errors carry a line number
-        raise UserError(f"--config {path} is not valid {p.suffix.lstrip('.') or 'json'}: {e}".splitlines()[0])
+        raise UserError(
+            f"--config {path} is not valid {p.suffix.lstrip('.') or 'json'}: {e}".splitlines()[0]
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must hold a mapping of field: value.")
     names = {f.name for f in fields(cls)}
@@ -469,6 +471,27 @@ def _load_config_file(path: str, cls: type) -> dict:
 
 
 _TRUE, _FALSE = ("true", "1"), ("false", "0")
+_INVALID = object()  # a --config value that its field's type does not take
+
+
+def _file_bool(value):
+    """A YAML / JSON boolean, 0 / 1, or the strings true / false / 1 / 0, as a bool; else _INVALID."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (str, int)) else None
+    return text in _TRUE if text in _TRUE + _FALSE else _INVALID
+
+
+def _file_number(tp: type, value):
+    """An int / float field's value (a number, not a bool, or a string such as '1e-4'), else _INVALID."""
+    if isinstance(value, tp if tp is int else (int, float)) and not isinstance(value, bool):
+        return tp(value)
+    if isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    return _INVALID
 
 
 def _file_value(tp, value, where: str):
@@ -483,31 +506,21 @@ def _file_value(tp, value, where: str):
             return None
         raise UserError(f"{where} is null; give {_describe(tp)}, or leave the key out for the default.")
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower() if isinstance(value, (str, int)) else None
-        if text in _TRUE + _FALSE:
-            return text in _TRUE
+        converted = _file_bool(value)
     elif origin is Literal:
-        if not isinstance(value, bool) and value in typing.get_args(tp):
-            return value
+        converted = value if not isinstance(value, bool) and value in typing.get_args(tp) else _INVALID
     elif origin is list:
         (inner,) = typing.get_args(tp)
-        if isinstance(value, list) and all(isinstance(v, inner) and not isinstance(v, bool) for v in value):
-            return list(value)
+        ok = isinstance(value, list) and all(isinstance(v, inner) and not isinstance(v, bool) for v in value)
+        converted = list(value) if ok else _INVALID
     elif tp in (int, float):
-        if isinstance(value, tp if tp is int else (int, float)) and not isinstance(value, bool):
-            return tp(value)
-        if isinstance(value, str):
-            try:
-                return tp(value)
-            except ValueError:
-                pass
+        converted = _file_number(tp, value)
     elif tp is str:
-        if isinstance(value, str):
-            return value
+        converted = value if isinstance(value, str) else _INVALID
     else:
-        return value
+        converted = value
+    if converted is not _INVALID:
+        return converted
     raise UserError(f"{where} is {value!r} ({type(value).__name__}); give {_describe(tp)}.")
 
 

@@ -68,7 +68,7 @@ def caption_grid(
     text_h = caption_lines * line_h + 4
     canvas = Image.new("RGB", (cols * cell, rows * (cell + text_h)), "white")
     draw = ImageDraw.Draw(canvas)
-    for i, (img, cap) in enumerate(zip(images, captions)):
+    for i, (img, cap) in enumerate(zip(images, captions, strict=True)):
         x, y = (i % cols) * cell, (i // cols) * (cell + text_h)
         canvas.paste(to_pil_image(img.detach().float().clamp(0, 1).cpu()).resize((cell, cell)), (x, y))
         for j, line in enumerate(wrap_words(cap, cell - 8, face.getlength, caption_lines)):

@@ -248,7 +248,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
             pil_images = [Image.fromarray(p.numpy()) for p in pixels]
             batch_prompts, batch_metadata = [s.prompt for s in batch], [s.metadata for s in batch]
             scores = {n: fn(batch_prompts, pixels, batch_metadata) for n, fn in scorers.items()}  # as saved
-            for b, (spec, pil) in enumerate(zip(batch, pil_images)):
+            for b, (spec, pil) in enumerate(zip(batch, pil_images, strict=True)):
                 pil.save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
                 record = {
                     "prompt": spec.prompt,
@@ -286,7 +286,9 @@ def run_inference(cfg: InferenceConfig) -> dict:
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out_dir / GRID_FILE)
     # The first reward's mean / std / score_error stay at the top (as when ImageReward was the only score); every
     # reward's are under "scores".
-    summaries = {n: dict(zip(("mean", "std"), score_summary([r[n] for r in records]))) for n in names}
+    summaries = {
+        n: dict(zip(("mean", "std"), score_summary([r[n] for r in records]), strict=True)) for n in names
+    }
     for n, fn in scorers.items():
         if fn.error:
             summaries[n]["score_error"] = fn.error

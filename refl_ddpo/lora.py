@@ -153,7 +153,7 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         msg = " ".join(str(e).split())[:300]
         raise UserError(
             f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}"
-        )
+        ) from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
     network = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
@@ -209,7 +209,7 @@ def check_lora_dir(lora_dir: str | Path, flag: str = "--lora_dir") -> None:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(
                 f"{flag} {lora_dir}: {lora_dir / FULL_UNET_DIR / 'config.json'} is not JSON ({e})."
-            )
+            ) from None
     else:
         files = [lora_dir / LORA_WEIGHTS_NAME]
     for path in files:

@@ -25,7 +25,7 @@ def check_output_dir(path: str) -> Path:
     except OSError as e:
         raise UserError(
             f"--output_dir {path} is not writable ({e.strerror}); pick a folder you can write to."
-        )
+        ) from None
     return out
 
 

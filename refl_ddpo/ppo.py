@@ -94,7 +94,9 @@ def step_metrics(
     ratios and counts on this process)."""
     means = accelerator.reduce({k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean")
     sums, counts = accelerator.reduce(step_ratios, reduction="sum").tolist()
-    by_step = {f"ratio_by_step/{i:02d}": r / c for i, (r, c) in enumerate(zip(sums, counts)) if c}
+    by_step = {
+        f"ratio_by_step/{i:02d}": r / c for i, (r, c) in enumerate(zip(sums, counts, strict=True)) if c
+    }
     return {**{k: float(v) for k, v in means.items()}, **by_step, "grad_norm": grad_norm}
 
 

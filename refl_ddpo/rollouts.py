@@ -70,7 +70,7 @@ def sample_epoch(
     batches = []
     window = slice(None) if sde_window is None else slice(sde_window[0], sum(sde_window))
     for b in range(num_batches):
-        prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size))))
+        prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
         cond, _ = family.encode_prompts(prompts, with_negative=False)
         dtype = next(iter(cond.values())).dtype
         if initial_noise is None:

@@ -70,7 +70,7 @@ def denoise(
     if keep_trajectory:
         out.all_latents.append(latents)
     x0 = latents
-    for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps)):
+    for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps, strict=False)):
         with_grad = grad_enabled and i in grad_steps
         with torch.set_grad_enabled(with_grad):
             if with_grad and checkpoint_grad_steps:

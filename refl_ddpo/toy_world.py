@@ -151,7 +151,9 @@ def random_batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list
     """n rendered images (uint8) of uniformly drawn prompts, and the prompts."""
     c = torch.randint(0, len(COLOURS), (n,), generator=generator)
     s = torch.randint(0, len(SHAPES), (n,), generator=generator)
-    return render_batch(c, s, generator), [f"a {_COLOUR_NAMES[i]} {SHAPES[j]}" for i, j in zip(c, s)]
+    return render_batch(c, s, generator), [
+        f"a {_COLOUR_NAMES[i]} {SHAPES[j]}" for i, j in zip(c, s, strict=True)
+    ]
 
 
 def _to_255(images: torch.Tensor) -> torch.Tensor:
@@ -399,7 +401,7 @@ def judge_run(run_dir: str | Path) -> dict[str, float]:
         prompts.append(record["prompt"])
     result = judge(torch.stack(images).float() / 255, prompts)
     by_prompt: dict[str, tuple[int, int]] = {}
-    for prompt, ok in zip(prompts, result["colour_ok"].tolist()):
+    for prompt, ok in zip(prompts, result["colour_ok"].tolist(), strict=True):
         right, n = by_prompt.get(prompt, (0, 0))
         by_prompt[prompt] = (right + int(ok), n + 1)
     return {

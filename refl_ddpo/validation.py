@@ -167,7 +167,10 @@ class Validator:
 
         # ---- files: the grid and the records ----
         self.folder.mkdir(parents=True, exist_ok=True)
-        captions = [f"{fmt_score(float(r))} s{s.seed} {s.prompt}" for s, r in zip(self.specs, rewards_all)]
+        captions = [
+            f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
+            for s, r in zip(self.specs, rewards_all, strict=True)
+        ]
         # whole prompts per row, at least 4 images wide
         grid = caption_grid(images_all, captions, cols=self.per_prompt * math.ceil(4 / self.per_prompt))
         name = f"{self.unit}-{count}"
@@ -176,7 +179,7 @@ class Validator:
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(self.folder / f"{name}.png")
         records = [
             {"prompt": s.prompt, "seed": s.seed, "reward": _finite(float(r))}
-            for s, r in zip(self.specs, rewards_all)
+            for s, r in zip(self.specs, rewards_all, strict=True)
         ]
         summary = {
             "count": count,

@@ -100,7 +100,9 @@ def test_lora_step_moves_only_lora_and_loads_in_stock_pipeline(tiny_sd, tmp_path
     )
     family.decode(out.pred_original_sample).mean().backward()
     opt.step()
-    assert all(not torch.equal(a, p) for a, p in zip(lora_before, params)), "every LoRA tensor moves"
+    assert all(not torch.equal(a, p) for a, p in zip(lora_before, params, strict=True)), (
+        "every LoRA tensor moves"
+    )
     for n, p in pipe.unet.named_parameters():
         if "lora_" not in n:
             assert torch.equal(base_before[n], p), n

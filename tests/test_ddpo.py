@@ -296,7 +296,7 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.sample_num_steps)
     for sign in (1.0, -1.0):
         with torch.no_grad():
-            for p, p0 in zip(params, initial):
+            for p, p0 in zip(params, initial, strict=True):
                 p.copy_(p0)
         samples = stack_samples(batches, sign * advantages)
         old = _log_probs(pipe, negative, samples, cfg)

@@ -187,7 +187,7 @@ def test_checkpointing_changes_memory_not_maths(sd_setup):
         results[checkpointed] = (out.loss.detach(), [p.grad.clone() for p in params], sum(saved.values()))
     (loss0, grads0, bytes0), (loss1, grads1, bytes1) = results[False], results[True]
     torch.testing.assert_close(loss1, loss0)
-    for a, b in zip(grads1, grads0):
+    for a, b in zip(grads1, grads0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert bytes1 < bytes0 / 2, (bytes0, bytes1)
 
@@ -250,7 +250,7 @@ def test_draft_on_sd3_moves_the_lora_with_a_finite_loss(tiny_models):
     out.loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)
     torch.optim.AdamW(params, lr=1e-3).step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, params)), "every LoRA tensor moves"
+    assert all(not torch.equal(a, p) for a, p in zip(before, params, strict=True)), "every LoRA tensor moves"
     lv = _run(family, scheduler, reward, cond, uncond, noise, 1, lv_copies=1)
     assert torch.isfinite(lv.loss)
 

@@ -176,7 +176,7 @@ def test_scores_json_pngs_and_grid(runs, tiny_models):
 def test_zero_lora_gives_the_base_images_and_a_trained_one_does_not(runs, tiny_sd):
     base, zero, rand = load_scores(runs["base"]), load_scores(runs["zero"]), load_scores(runs["random"])
     assert zero["config"]["pretrained_model"] == str(tiny_sd) and zero["config"]["resolution"] == 32
-    for b, z, r in zip(base["records"], zero["records"], rand["records"]):
+    for b, z, r in zip(base["records"], zero["records"], rand["records"], strict=True):
         assert (b["prompt"], b["seed"]) == (z["prompt"], z["seed"]) == (r["prompt"], r["seed"])
         assert np.array_equal(pixels(runs["base"] / b["file"]), pixels(runs["zero"] / z["file"]))
         assert not np.array_equal(pixels(runs["base"] / b["file"]), pixels(runs["random"] / r["file"]))
@@ -353,12 +353,14 @@ def test_generation_keeps_no_autograd_graph_and_is_batch_independent(tiny_sd):
     assert images.shape == (2, 3, 32, 32) and images.grad_fn is None and not images.requires_grad
     assert seen == [False] * 4  # 3 UNet steps + 1 decode, none with grad
     # each image from its own seed: the same noise whatever the batch (equal up to batched-kernel rounding)
-    alone = torch.cat([generate_batch(family, [p], [s], 32, 3, 7.5) for p, s in zip(PROMPTS, [3, 4])])
+    alone = torch.cat(
+        [generate_batch(family, [p], [s], 32, 3, 7.5) for p, s in zip(PROMPTS, [3, 4], strict=True)]
+    )
     torch.testing.assert_close(images, alone, atol=1e-4, rtol=0)
     # stochastic DDIM (eta 1) draws its step noise from the same per-image generators
     noisy = generate_batch(family, PROMPTS, [3, 4], 32, 3, 7.5, eta=1.0)
     noisy_alone = torch.cat(
-        [generate_batch(family, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4])]
+        [generate_batch(family, [p], [s], 32, 3, 7.5, eta=1.0) for p, s in zip(PROMPTS, [3, 4], strict=True)]
     )
     torch.testing.assert_close(noisy, noisy_alone, atol=1e-4, rtol=0)
     assert (noisy - images).abs().max() > 1e-2

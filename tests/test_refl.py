@@ -94,7 +94,9 @@ def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(ti
     assert all(p.grad is None for p in frozen.values())
 
     torch.optim.AdamW(params, lr=1e-3).step()
-    assert all(not torch.equal(a, p) for a, p in zip(lora_before, params)), "every LoRA tensor moves"
+    assert all(not torch.equal(a, p) for a, p in zip(lora_before, params, strict=True)), (
+        "every LoRA tensor moves"
+    )
     changed = [n for n, p in frozen.items() if not torch.equal(before[n], p)]
     assert not changed, f"base weights changed: {changed[:3]}"
 

@@ -60,7 +60,7 @@ def test_render_is_deterministic_and_crisp():
     px = images.permute(0, 2, 3, 1).reshape(-1, 3)
     assert ((px[:, None, :] == allowed[None]).all(-1).any(-1)).all()
     fg = (images != 128).any(1)
-    for img, mask in zip(images, fg):
+    for mask in fg:
         ys, xs = mask.nonzero(as_tuple=True)
         extent = max(ys.max() - ys.min(), xs.max() - xs.min()) + 1
         assert 9 <= extent <= 24
@@ -90,7 +90,7 @@ def test_judging_a_run_folder_counts_right_images_per_prompt(tmp_path, capsys):
     prompts = ["a red circle", "a red circle", "a green square"]
     images = tw.render_prompts(prompts, torch.Generator().manual_seed(0))  # uint8 (3, 3, 32, 32)
     records = []
-    for i, (image, prompt) in enumerate(zip(images, prompts)):
+    for i, (image, prompt) in enumerate(zip(images, prompts, strict=True)):
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / f"{i}.png")
         # the second red circle is judged against the wrong colour
         records.append({"file": f"{i}.png", "prompt": "a blue circle" if i == 1 else prompt})
@@ -300,10 +300,12 @@ def test_captions_confuse_partner_colours_at_the_asked_rate():
     def swapped(p):
         g = torch.Generator().manual_seed(0)
         idx = tb._captions(prompts, g, p)
-        pairs = [(q, names[i]) for q, i in zip(prompts, idx.tolist()) if names[i]]
+        pairs = [(q, names[i]) for q, i in zip(prompts, idx.tolist(), strict=True) if names[i]]
         partner = [f"a {tb.CONFUSABLE[tw.parse_prompt(q)[0]]} {tw.parse_prompt(q)[1]}" for q, _ in pairs]
-        assert all(c in (q, o) for (q, c), o in zip(pairs, partner))
-        return sum(c == o for (_, c), o in zip(pairs, partner)) / len(pairs), torch.rand(1, generator=g)
+        assert all(c in (q, o) for (q, c), o in zip(pairs, partner, strict=True))
+        return sum(c == o for (_, c), o in zip(pairs, partner, strict=True)) / len(pairs), torch.rand(
+            1, generator=g
+        )
 
     (none, after0), (half, after5), (all_, after1) = swapped(0.0), swapped(tb.CONFUSE_P), swapped(1.0)
     assert none == 0.0 and all_ == 1.0 and abs(half - tb.CONFUSE_P) < 0.04

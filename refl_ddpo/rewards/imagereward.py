@@ -447,7 +447,7 @@ def reward_from_model(model: ImageRewardModel, antialias: bool = True) -> Reward
         new = [p for p in dict.fromkeys(prompts) if p not in tokens]
         if new:
             input_ids, attention_mask = model.tokenize(new)
-            tokens.update(zip(new, zip(input_ids, attention_mask)))
+            tokens.update(zip(new, zip(input_ids, attention_mask, strict=True), strict=True))
         input_ids = torch.stack([tokens[p][0] for p in prompts])  # [B, 35]
         attention_mask = torch.stack([tokens[p][1] for p in prompts])  # [B, 35]
         pixel_values = preprocess(images, antialias=antialias, size=model.image_size)  # [B, 3, 224, 224]

@@ -23,11 +23,50 @@ from refl_ddpo.errors import UserError, cli_main
 MAX_BODY_BYTES = 1 << 30  # 1 GiB: a batch of 64 float32 images at 1024 px is 800 MB
 
 
-def make_handler(reward, spec: str, differentiable: bool, device, max_batch_size: int | None):
+def parse_request(body: bytes):
+    """A POST /score body -> (images [B, 3, H, W], prompts, metadata); ValueError (a 400) if it is malformed."""
+    from refl_ddpo.rewards.remote import decode_images
+
+    request = json.loads(body)
+    if not isinstance(request, dict):
+        raise ValueError("the body must be a JSON object")  # noqa: TRY004 (a 400)
+    images = decode_images(request.get("images"))
+    prompts = request.get("prompts")
+    metadata = request.get("metadata") or [{} for _ in range(len(images))]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("'prompts' must be a list of strings")
+    if len(prompts) != len(images) or not isinstance(metadata, list) or len(metadata) != len(images):
+        raise ValueError(f"{len(images)} images but {len(prompts)} prompts / {len(metadata)} metadata")
+    return images, prompts, metadata
+
+
+def score_batches(
+    reward, images, prompts: list[str], metadata: list[dict], device, max_batch_size: int | None
+):
+    """The reward of every image, `max_batch_size` at a time: (rewards (B,) float32 on the CPU, info as JSON,
+    per-image lists joined across the batches)."""
     import torch
 
-    from refl_ddpo.rewards.remote import decode_images, jsonable_info
+    from refl_ddpo.rewards.remote import jsonable_info
 
+    step = max_batch_size or len(images)
+    rewards, infos = [], []
+    with torch.no_grad():
+        for i in range(0, len(images), step):
+            r, info = reward(images[i : i + step].to(device), prompts[i : i + step], metadata[i : i + step])
+            rewards.append(r.detach().float().cpu())
+            infos.append(jsonable_info(info, len(r)))
+    info = {}
+    for key in infos[0]:
+        parts = [part.get(key) for part in infos]
+        if all(isinstance(p, list) for p in parts):
+            info[key] = [v for p in parts for v in p]
+        elif len(parts) == 1:
+            info[key] = parts[0]
+    return torch.cat(rewards), info
+
+
+def make_handler(reward, spec: str, differentiable: bool, device, max_batch_size: int | None):
     lock = threading.Lock()  # one batch at a time on the model
 
     class Handler(BaseHTTPRequestHandler):
@@ -62,43 +101,13 @@ def make_handler(reward, spec: str, differentiable: bool, device, max_batch_size
                 self._send(400, {"error": f"Content-Length must be 1..{MAX_BODY_BYTES} bytes"})
                 return
             try:
-                request = json.loads(self.rfile.read(length))
-                if not isinstance(request, dict):
-                    raise ValueError("the body must be a JSON object")  # noqa: TRY004 (a 400)
-                images = decode_images(request.get("images"))
-                prompts = request.get("prompts")
-                metadata = request.get("metadata") or [{} for _ in range(len(images))]
-                if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                    raise ValueError("'prompts' must be a list of strings")
-                if (
-                    len(prompts) != len(images)
-                    or not isinstance(metadata, list)
-                    or len(metadata) != len(images)
-                ):
-                    raise ValueError(
-                        f"{len(images)} images but {len(prompts)} prompts / {len(metadata)} metadata"
-                    )
+                images, prompts, metadata = parse_request(self.rfile.read(length))
             except ValueError as e:  # JSONDecodeError is a ValueError
                 self._send(400, {"error": str(e).splitlines()[0][:300]})
                 return
             try:
-                with lock, torch.no_grad():
-                    step = max_batch_size or len(images)
-                    rewards, infos = [], []
-                    for i in range(0, len(images), step):
-                        r, info = reward(
-                            images[i : i + step].to(device), prompts[i : i + step], metadata[i : i + step]
-                        )
-                        rewards.append(r.detach().float().cpu())
-                        infos.append(jsonable_info(info, len(r)))
-                rewards = torch.cat(rewards)
-                info = {}
-                for key in infos[0]:
-                    parts = [part.get(key) for part in infos]
-                    if all(isinstance(p, list) for p in parts):
-                        info[key] = [v for p in parts for v in p]
-                    elif len(parts) == 1:
-                        info[key] = parts[0]
+                with lock:
+                    rewards, info = score_batches(reward, images, prompts, metadata, device, max_batch_size)
             except UserError as e:  # e.g. a prompt the reward cannot read: the client's to fix
                 self._send(400, {"error": str(e)})
                 return

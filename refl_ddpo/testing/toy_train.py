@@ -154,7 +154,7 @@ def _captions(prompts: list[str], g: torch.Generator, confuse_p: float = CONFUSE
     index = {p: i for i, p in enumerate(tw.PROMPTS)}
     swap = (torch.rand(len(prompts), generator=g) < confuse_p).tolist()
     captions = []
-    for p, sw in zip(prompts, swap):
+    for p, sw in zip(prompts, swap, strict=True):
         colour, shape = tw.parse_prompt(p)
         captions.append(f"a {CONFUSABLE[colour]} {shape}" if sw else p)
     idx = torch.tensor([index[p] for p in captions])

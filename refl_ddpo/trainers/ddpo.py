@@ -64,7 +64,7 @@ def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHo
 
     def hook(prompt_image_data: list[list[Any]], global_step: int, tracker: Any) -> None:
         images, prompts, _, rewards, _ = prompt_image_data[-1]
-        captions = [f"{p} | {r:.3g}" for p, r in zip(prompts, rewards.tolist())]
+        captions = [f"{p} | {r:.3g}" for p, r in zip(prompts, rewards.tolist(), strict=True)]
         log_image_grid(accelerator, tag, images[:16], captions[:16], global_step)
 
     return hook
@@ -232,7 +232,7 @@ class DDPO(Algorithm):
         self, run: Run, plan: EpochPlan, rewards: torch.Tensor, prompts: list[str], finite: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The finite gathered rewards' advantages (per-prompt stats, or the batch's), and stats to log."""
-        kept = [p for p, ok in zip(prompts, finite.tolist()) if ok]
+        kept = [p for p, ok in zip(prompts, finite.tolist(), strict=True) if ok]
         return compute_advantages(rewards[finite], kept, self.stat_tracker, self.cfg.train_adv_clip_max), {}
 
     def sample(self, run: Run, epoch: int, plan: EpochPlan) -> list:

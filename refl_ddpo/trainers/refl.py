@@ -55,11 +55,6 @@ def build_refl_reward(cfg: ReFLConfig, device: torch.device, dtype: torch.dtype)
     return build_reward(cfg.reward, device, dtype, cfg.reward_model_dir, options=options)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# the run
-# --------------------------------------------------------------------------------------------------------------
-
-
 def draw_k(cfg: ReFLConfig, k_generator: torch.Generator) -> int:
     """This optimizer step's K, the same on every process: ReFL's grad step k ~ U{k_lo..k_hi}; DRaFT-K's fixed K
     (no draw); AlignProp's K ~ U{lo..hi} steps with grad at the end of the run."""
@@ -372,7 +367,9 @@ class ReFL(Algorithm):
         self.progress.update(1)  # draws the postfix with it
         last = results[-1]
         if cfg.image_log_steps and global_step % cfg.image_log_steps == 0:
-            captions = [f"{p} | r={r:.2f}" for p, r in zip(last.prompts, last.out.rewards.tolist())]
+            captions = [
+                f"{p} | r={r:.2f}" for p, r in zip(last.prompts, last.out.rewards.tolist(), strict=True)
+            ]
             log_image_grid(accelerator, "refl/pred_x0", last.out.images, captions, global_step)
         if self.checksum_file is not None:
             record = {"step": global_step, "sha256": weights_digest(run.params), "refl_loss": sums["refl"]}
