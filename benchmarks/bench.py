@@ -63,8 +63,8 @@ from benchmarks.memory import run_memory_only
 from benchmarks.models import Bench, model_configs, parameter_counts
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
-from refl_ddpo.config import parse_config
 from refl_ddpo.errors import cli_main
+from refl_ddpo.flags import parse_config
 
 
 def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:

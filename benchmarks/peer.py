@@ -211,7 +211,7 @@ def read_prompts(path: str) -> list[str]:
 
 def run_ours(cfg: dict, model: str, prompts: str, work: Path, epochs: int, clock: EpochClock) -> None:
     import refl_ddpo.training
-    from refl_ddpo.config import parse_config
+    from refl_ddpo.flags import parse_config
     from refl_ddpo.trainers.ddpo import train
     from refl_ddpo.trainers.ddpo_config import DDPOConfig
 

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError, cli_main
+from refl_ddpo.flags import parse_config
 from refl_ddpo.generate import IMAGE_FILE, ImageSpec, generate_batch, plan_images
 from refl_ddpo.images import caption_grid, fmt_score, to_uint8, write_json_atomic
 from refl_ddpo.inference_config import (

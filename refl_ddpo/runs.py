@@ -38,7 +38,7 @@ RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
 FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # training.save_final writes these
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-# training.save_checkpoint's folder before its rename
+# checkpoints.save_checkpoint's folder before its rename
 TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")
 # output folders this process claimed (resolved path -> run id), for release_run
 _claimed: dict[str, str] = {}

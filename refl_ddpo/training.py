@@ -3,23 +3,18 @@ the optimizer, seeded random streams, checkpoints, weight digests, trackers and 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from refl_ddpo.checkpoints import check_finite_weights, register_network_hooks
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.errors import UserError
 from refl_ddpo.images import caption_grid
 from refl_ddpo.launch import PREFLIGHT_ENV
-from refl_ddpo.lora import FULL_UNET_DIR, add_lora, load_lora_into_unet, save_lora, trainable_full_unet
+from refl_ddpo.lora import add_lora, save_lora, trainable_full_unet
 from refl_ddpo.outputs import log_grid
-
-TRAIN_STATE_JSON = "train_state.json"  # our own counters, JSON
-TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and tensors (no pickle)
-
 
 # ---- the main / preflight shape ----
 
@@ -234,57 +229,6 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch
     )
 
 
-def register_network_hooks(accelerator, network) -> None:
-    """accelerate save/load_state keep only the LoRA (diffusers format) or the full network, not a pickled model."""
-
-    def save_hook(models, weights, output_dir):
-        for model in models:  # on every process (their weights are identical), before any file is written
-            check_finite_weights(
-                accelerator.unwrap_model(model),
-                f"not saving {Path(output_dir).name.lstrip('.').removesuffix('.tmp')}",
-            )
-        if accelerator.is_main_process:
-            for model in models:
-                save_lora(accelerator.unwrap_model(model), output_dir)
-        weights.clear()  # nothing else of the model is written by accelerate
-
-    def load_hook(models, input_dir):
-        while models:
-            model = accelerator.unwrap_model(models.pop())
-            if getattr(model, "peft_config", None):
-                load_lora_into_unet(model, input_dir)
-            else:
-                loaded = type(model).from_pretrained(Path(input_dir) / FULL_UNET_DIR)
-                model.load_state_dict(loaded.state_dict())
-            check_finite_weights(
-                model,
-                f"not resuming from {input_dir}",
-                "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
-            )
-
-    del network  # the hooks act on the models accelerate hands them
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)
-
-
-# ---- checkpoints ----
-
-
-def check_finite_weights(
-    model,
-    what: str,
-    fix: str = "the newest checkpoint-N in --output_dir is the last good state: resume from it with a lower "
-    "--learning_rate",
-) -> None:
-    """A UserError if a trained tensor holds NaN or inf, so that no checkpoint or final LoRA is ever written (nor a
-    run resumed) with one. Every process checks (their weights are identical), so every process stops."""
-    bad = [
-        name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())
-    ]
-    if bad:
-        raise UserError(f"{what}: {len(bad)} trained tensor(s) hold NaN or inf (e.g. {bad[0]}); {fix}.")
-
-
 def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
     """The error that stops a run at a non-finite reward, loss or gradient, before the update and before any save:
     what happened, that the newest checkpoint stays the last good state, and what to change."""
@@ -293,66 +237,6 @@ def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
     found = list_checkpoints(cfg.output_dir)
     newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
     return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
-
-
-def save_checkpoint(
-    accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor], info
-) -> Path:
-    """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
-    checkpoint.json last (refl_ddpo.runs: the run, the settings a resume must match, every file's size).
-
-    The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
-    --checkpoints_total_limit then deletes the oldest checkpoints of this run only.
-    """
-    from refl_ddpo.runs import rotate_checkpoints, write_marker
-
-    final = Path(cfg.output_dir) / f"checkpoint-{step}"
-    tmp = Path(cfg.output_dir) / f".checkpoint-{step}.tmp"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-    except UserError:  # non-finite weights (the save hook): leave no temporary folder behind
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    accelerator.wait_for_everyone()  # every process' random states are in tmp before it is listed and renamed
-    if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
-        save_file(
-            {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS)
-        )
-        (tmp / TRAIN_STATE_JSON).write_text(json.dumps(counters, indent=2) + "\n")
-        write_marker(tmp, cfg, step, accelerator.num_processes, info)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        if cfg.checkpoints_total_limit:
-            rotate_checkpoints(cfg.output_dir, info.run_id, cfg.checkpoints_total_limit)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore accelerate state from `path` (checked by refl_ddpo.runs.start_run); return our (counters, tensors).
-    A file that still fails to load is one line naming the checkpoint."""
-    import pickle
-
-    from safetensors.torch import load_file
-
-    try:
-        accelerator.load_state(str(path))
-        counters = json.loads((path / TRAIN_STATE_JSON).read_text())
-        tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
-    except (OSError, EOFError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
-        first = " ".join(str(e).split())[:200] or type(e).__name__
-        raise UserError(
-            f"--resume_from_checkpoint {path} could not be loaded ({type(e).__name__}: {first}); resume another "
-            "checkpoint-N."
-        ) from None
-    return counters, tensors
 
 
 def save_final(

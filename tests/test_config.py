@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from refl_ddpo.config import CommonConfig, parse_config
+from refl_ddpo.config import CommonConfig
 from refl_ddpo.errors import UserError
+from refl_ddpo.flags import parse_config
 from refl_ddpo.prompts import get_prompt_fn, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
 from refl_ddpo.trainers.refl_config import ReFLConfig
@@ -173,7 +174,7 @@ def test_a_bad_flag_fails_without_importing_model_code():
     import sys
 
     code = (
-        "import sys\nfrom refl_ddpo.config import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
+        "import sys\nfrom refl_ddpo.flags import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
         "DDPOConfig\ntry:\n    parse_config(DDPOConfig, ['--reward', 'nope'])\nexcept Exception as e:\n"
         "    print(type(e).__name__)\nprint(sorted(m for m in sys.modules if m.startswith(('diffusers', "
         "'transformers', 'refl_ddpo.rewards.'))))"

@@ -16,9 +16,9 @@ from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
-from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
 from refl_ddpo.families import load_family
+from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import LORA_WEIGHTS_NAME, add_lora
 from refl_ddpo.ppo import train_on_samples
 from refl_ddpo.rewards import build_reward

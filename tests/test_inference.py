@@ -14,8 +14,8 @@ from PIL import Image
 
 from refl_ddpo import compare, inference
 from refl_ddpo.compare import compare_runs, paired_bootstrap_ci
-from refl_ddpo.config import parse_config
 from refl_ddpo.families.sd import StableDiffusion
+from refl_ddpo.flags import parse_config
 from refl_ddpo.generate import generate_batch
 from refl_ddpo.inference_config import LoraInferenceConfig
 from refl_ddpo.lora import add_lora, save_lora

@@ -179,7 +179,7 @@ def test_ddpo_non_finite_rewards_are_an_error_by_default():
 
 
 def test_non_finite_weights_are_never_saved():
-    from refl_ddpo.training import check_finite_weights
+    from refl_ddpo.checkpoints import check_finite_weights
 
     layer = torch.nn.Linear(2, 2)
     check_finite_weights(layer, "x")

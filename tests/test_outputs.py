@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from refl_ddpo import compare, inference
-from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
+from refl_ddpo.flags import parse_config
 from refl_ddpo.images import wrap_words
 
 DATA = Path(__file__).resolve().parent.parent / "refl_ddpo" / "data"

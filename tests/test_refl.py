@@ -15,9 +15,9 @@ from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.backprop import kl_to_base, refl_step
-from refl_ddpo.config import parse_config
 from refl_ddpo.families import load_family
 from refl_ddpo.families.sd import StableDiffusion
+from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
 from refl_ddpo.prompts import DATA_DIR, load_prompts
 from refl_ddpo.rewards import build_reward

@@ -18,7 +18,7 @@ import pytest
 from helpers import script_env, trainer_flags
 
 from refl_ddpo import runs
-from refl_ddpo.config import parse_config
+from refl_ddpo.flags import parse_config
 from refl_ddpo.inference import run_inference
 from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import LORA_WEIGHTS_NAME

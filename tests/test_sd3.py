@@ -254,8 +254,8 @@ def test_refl_trains_a_lora_on_sd3_that_loads_in_stock_pipeline(tiny_models, tin
 
 def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, tmp_path):
     from refl_ddpo import generate, inference
-    from refl_ddpo.config import parse_config
     from refl_ddpo.errors import UserError
+    from refl_ddpo.flags import parse_config
 
     flags = ["--pretrained_model", str(tiny_sd3), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]

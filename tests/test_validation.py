@@ -16,8 +16,8 @@ import torch
 from helpers import trainer_flags
 from hub_standin import HubStandIn
 
-from refl_ddpo.config import parse_config
 from refl_ddpo.errors import UserError
+from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.trainers.ddpo_config import DDPOConfig
 from refl_ddpo.trainers.grpo_config import GRPOConfig

@@ -331,6 +331,6 @@ def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:
 
 def parse_ddpo_config(argv: list[str] | None = None) -> DDPOConfig:
     """Flags (and --config FILE, --preset NAME, a script's defaults) -> a checked DDPOConfig."""
-    from refl_ddpo.config import parse_config
+    from refl_ddpo.flags import parse_config
 
     return parse_config(DDPOConfig, argv)

@@ -194,7 +194,8 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
 
 def start(algo: Algorithm, run: Run) -> int:
     """Trackers, the config printed, the resumed state; returns the iterations already done."""
-    from refl_ddpo.training import load_checkpoint, print_config, start_trackers
+    from refl_ddpo.checkpoints import load_checkpoint
+    from refl_ddpo.training import print_config, start_trackers
 
     cfg, accelerator, resume = run.cfg, run.accelerator, run.info.resume
     start_trackers(accelerator, cfg, algo.name)
@@ -213,7 +214,8 @@ def start(algo: Algorithm, run: Run) -> int:
 
 def run_training(algo: Algorithm) -> Path:
     """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
-    from refl_ddpo.training import check_identical_weights, save_checkpoint, save_final
+    from refl_ddpo.checkpoints import save_checkpoint
+    from refl_ddpo.training import check_identical_weights, save_final
     from refl_ddpo.validation import make_validator
 
     run, repo_id = set_up(algo)
@@ -261,7 +263,7 @@ def run_training(algo: Algorithm) -> Path:
 
 def main_for(algorithm: type[Algorithm], config_cls: type, argv: list[str] | None, description: str) -> None:
     """A trainer's command line: parse the layered flags, then train (or, under launch.sh's preflight, only check)."""
-    from refl_ddpo.config import parse_config
+    from refl_ddpo.flags import parse_config
     from refl_ddpo.training import run_or_preflight
 
     def train(cfg):
