@@ -127,7 +127,10 @@ class DDPOConfig(CommonConfig):
         20, "Save accelerate state to output_dir/checkpoint-N every this many epochs (and at the end)."
     )
     output_dir: str = field_(
-        "checkpoint/ddpo_lora", "Where the final LoRA, its config.json and checkpoint-N/ go."
+        "checkpoint/ddpo_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
     )
     learning_rate: float = field_(3e-4, "AdamW learning rate.")
     adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")

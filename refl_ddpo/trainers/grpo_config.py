@@ -58,7 +58,9 @@ class GRPOConfig(DDPOConfig):
     )
     output_dir: str = field_(
         "checkpoint/grpo_lora",
-        "Where the final LoRA, its config.json and checkpoint-N/ go.",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
     )
 
     def check(self) -> None:

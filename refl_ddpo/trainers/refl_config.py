@@ -19,7 +19,10 @@ class ReFLConfig(CommonConfig):
     """ReFL (ImageReward's Reward Feedback Learning) on Stable Diffusion, LoRA or full network, one or many GPUs."""
 
     output_dir: str = field_(
-        "checkpoint/refl_lora", "Where the final LoRA, its config.json and checkpoint-N/ go."
+        "checkpoint/refl_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
     )
     prompts_file: str | None = field_(
         "refl_prompts",
