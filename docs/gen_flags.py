@@ -111,7 +111,7 @@ def script_launches(scripts_dir: Path = SCRIPTS_DIR) -> dict[str, tuple[str, lis
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str):
+def env_var(name: str, value: str):
     old = os.environ.get(name)
     os.environ[name] = value
     try:
@@ -129,7 +129,7 @@ def script_layers(cls: type, defaults: list[str], argv: list[str] | None = None)
     SystemExit (argparse) or UserError on a flag or value the command refuses."""
     from refl_ddpo.config import DEFAULTS_ENV, parse_layers
 
-    with _env(DEFAULTS_ENV, " ".join(shlex.quote(a) for a in defaults)):
+    with env_var(DEFAULTS_ENV, " ".join(shlex.quote(a) for a in defaults)):
         return parse_layers(cls, list(argv or []))
 
 
