@@ -4,7 +4,7 @@
 
 One page per command (COMMANDS): its flags grouped by topic as `--help` groups them (the `group` of `field_`), each
 with its type, default, aliases and help sentence; the defaults that the shell scripts in train_scripts/ pass
-(REFL_DDPO_DEFAULTS, read through `refl_ddpo.config.parse_layers` as the trainers read them) beside the trainer's
+(REFL_DDPO_DEFAULTS, read through `refl_ddpo.flags.parse_layers` as the trainers read them) beside the trainer's
 own where they differ; and the trainer's presets. The output is deterministic: no dates, no absolute paths (a path
 under the repo is written relative to its root).
 
@@ -125,9 +125,9 @@ def env_var(name: str, value: str):
 
 def script_layers(cls: type, defaults: list[str], argv: list[str] | None = None) -> dict[str, Any]:
     """The field values a script's defaults (and then `argv`) set, read as the trainer reads them: launch.sh passes
-    the defaults in REFL_DDPO_DEFAULTS and `refl_ddpo.config.parse_layers` parses them (aliases resolved). Raises
+    the defaults in REFL_DDPO_DEFAULTS and `refl_ddpo.flags.parse_layers` parses them (aliases resolved). Raises
     SystemExit (argparse) or UserError on a flag or value the command refuses."""
-    from refl_ddpo.config import DEFAULTS_ENV, parse_layers
+    from refl_ddpo.flags import DEFAULTS_ENV, parse_layers
 
     with env_var(DEFAULTS_ENV, " ".join(shlex.quote(a) for a in defaults)):
         return parse_layers(cls, list(argv or []))

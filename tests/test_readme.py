@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from refl_ddpo.config import build_parser
 from refl_ddpo.errors import UserError
+from refl_ddpo.flags import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
