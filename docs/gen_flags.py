@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,17 +165,11 @@ def prose(text: str) -> str:
     return "".join(p if p.startswith("`") else _ESCAPE.sub(r"\\\1", p) for p in parts)
 
 
-def _unwrap_optional(tp):
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
 def type_text(cls: type, f: dataclasses.Field, tp) -> str:
     """The flag's type as build_parser reads it."""
-    tp, optional = _unwrap_optional(tp)
+    from refl_ddpo.flags import unwrap_optional
+
+    tp, optional = unwrap_optional(tp)
     if f.name == "preset" and getattr(cls, "PRESETS", None):
         text = "one of " + ", ".join(f"`{p}`" for p in sorted(cls.PRESETS))
     elif tp is bool:
@@ -255,6 +248,8 @@ def page(cmd: Command) -> str:
 
 def flag_tables(cls: type, scripts: dict[str, dict[str, Any]]) -> list[str]:
     """One table per --help section: flag (and aliases), type, default (and the scripts' values), help."""
+    from refl_ddpo.flags import unwrap_optional
+
     hints = typing.get_type_hints(cls)
     aliases = getattr(cls, "ALIASES", {})
     lines = []
@@ -266,7 +261,7 @@ def flag_tables(cls: type, scripts: dict[str, dict[str, Any]]) -> list[str]:
             )
         for f in fs:
             tp = hints[f.name]
-            names = [f"--{f.name}"] + (["--no-" + f.name] if _unwrap_optional(tp)[0] is bool else [])
+            names = [f"--{f.name}"] + (["--no-" + f.name] if unwrap_optional(tp)[0] is bool else [])
             flag = " / ".join(f"`{n}`" for n in names)
             extra = [
                 *f.metadata.get("flags", ()),

@@ -42,7 +42,7 @@ PROG_ENV = "REFL_DDPO_PROG"  # how the user called the program, for --help and u
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _unwrap_optional(tp):
+def unwrap_optional(tp):
     """`X | None` -> (X, True); anything else -> (tp, False)."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -103,7 +103,7 @@ def build_parser(
     for f in fields(cls):
         if f.metadata.get("group"):
             group = parser.add_argument_group(f.metadata["group"])
-        tp, optional = _unwrap_optional(hints[f.name])
+        tp, optional = unwrap_optional(hints[f.name])
         kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
         if not suppress_defaults:
             kw["default"] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -180,7 +180,7 @@ def _file_value(tp, value, where: str):
     be None; booleans are YAML/JSON booleans, 0 / 1 or the strings true / false / 1 / 0 (not yes / no / on: a YAML
     file's unquoted yes / no are YAML 1.1 booleans already); numbers may be written as strings ('1e-4', which
     PyYAML reads as a string)."""
-    tp, optional = _unwrap_optional(tp)
+    tp, optional = unwrap_optional(tp)
     origin = typing.get_origin(tp)
     if value is None:
         if optional:
