@@ -46,8 +46,41 @@ def looks_local(name: str) -> bool:
     )
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub (HF_ENDPOINT, default huggingface.co) cannot be reached now, or None when a connection opens."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or e}"
+    return None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str)
+    except ValueError:  # not a valid repo id: the loader says so
+        return False
+
+
 def check_pretrained_model(name: str) -> None:
-    """Fail early, before anything heavy is imported or loaded, if a local model folder is missing."""
+    """Fail early, before anything heavy is imported or loaded, if a local model folder is missing, or if a hub id
+    is neither in the local cache nor reachable (one line at once, not the hub client's retries)."""
+    if not looks_local(name):
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        reason = None if offline or _in_hub_cache(name) else hub_unreachable()
+        if reason is not None:
+            raise UserError(
+                f"--pretrained_model {name} is a hub id, but the hub cannot be reached ({reason}) and the model "
+                f"is not in the local cache; {OFFLINE_HINT}."
+            )
+        return
     if looks_local(name):
         path = Path(name).expanduser()
         if not (path / "model_index.json").is_file():

@@ -312,6 +312,46 @@ def test_a_missing_folder_under_an_existing_one_is_a_local_path_not_a_hub_id(tmp
         check_pretrained_model("checkpoint/stable-diffusion-v1-4")
 
 
+def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(tmp_path, monkeypatch):
+    """A hub id that is not in the local cache, with the hub unreachable (HF_ENDPOINT on a closed port here): one
+    line from the inference script, no retries; with HF_HUB_OFFLINE set the probe is skipped (the loader's cache-only
+    error says the rest)."""
+    import subprocess
+    import sys
+    import time
+
+    from refl_ddpo.models import check_pretrained_model, hub_unreachable
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    assert "127.0.0.1:9" in hub_unreachable()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_pretrained_model("someone/some-model")  # offline: not probed
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    with pytest.raises(UserError, match="the hub cannot be reached .127.0.0.1:9"):
+        check_pretrained_model("someone/some-model")
+    script = Path(__file__).resolve().parent.parent / "inference" / "inference.py"
+    started = time.perf_counter()
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--pretrained_model",
+            "someone/some-model",
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and "the hub cannot be reached" in lines[0], r.stderr
+    assert time.perf_counter() - started < 30  # the hub client's retries alone take about 30 s
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     "record, message",
     [
