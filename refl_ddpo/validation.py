@@ -128,10 +128,26 @@ class Validator:
         """Validate (main process only; None elsewhere) and log at tracker step `log_step`."""
         if not self.accelerator.is_main_process:
             return None
-        from refl_ddpo.generate import generate_batch
-        from refl_ddpo.images import caption_grid, fmt_score
+        from tqdm.auto import tqdm
+
         from refl_ddpo.outputs import log_grid
         from refl_ddpo.rewards import reward_stats
+
+        images_all, rewards_all, parts = self.draw_and_score()
+        stats = reward_stats(self.reward_spec, rewards_all, parts)
+        metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
+        name = f"{self.unit}-{count}"
+        grid, records = self.write(name, count, metrics, images_all, rewards_all)
+        self.accelerator.log({**metrics, f"validation/{self.unit}": count}, step=log_step)
+        log_grid(self.accelerator, GRID_TAG, grid, log_step)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
+        tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
+        return ValidationResult(count, self.unit, metrics, self.folder / f"{name}.png", records, images_all)
+
+    def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
+        in [0, 1], rewards (N,), the reward's per-image parts), all on the CPU; the network's mode restored."""
+        from refl_ddpo.generate import generate_batch
 
         network = self.family.network
         was_training = network.training
@@ -161,11 +177,17 @@ class Validator:
                         parts.setdefault(name, []).append(value.detach().float().cpu())
         finally:
             network.train(was_training)
-        images_all, rewards_all = torch.cat(images), torch.cat(rewards)  # (N, 3, H, W), (N,)
-        stats = reward_stats(self.reward_spec, rewards_all, {k: torch.cat(v) for k, v in parts.items()})
-        metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
+        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
 
-        # ---- files: the grid and the records ----
+    def write(
+        self, name: str, count: int, metrics: dict, images_all: torch.Tensor, rewards_all: torch.Tensor
+    ) -> tuple[torch.Tensor, list[dict]]:
+        """validation/NAME.png (the captioned grid) and NAME.json (metrics, sampler, one record per image); returns
+        the grid (3, H, W) uint8 and the records."""
+        from PIL import Image
+
+        from refl_ddpo.images import caption_grid, fmt_score, write_json_atomic
+
         self.folder.mkdir(parents=True, exist_ok=True)
         captions = [
             f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
@@ -173,9 +195,6 @@ class Validator:
         ]
         # whole prompts per row, at least 4 images wide
         grid = caption_grid(images_all, captions, cols=self.per_prompt * math.ceil(4 / self.per_prompt))
-        name = f"{self.unit}-{count}"
-        from PIL import Image
-
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(self.folder / f"{name}.png")
         records = [
             {"prompt": s.prompt, "seed": s.seed, "reward": _finite(float(r))}
@@ -194,15 +213,5 @@ class Validator:
             },
             "records": records,
         }
-        from refl_ddpo.images import write_json_atomic
-
         write_json_atomic(self.folder / f"{name}.json", summary)
-
-        # ---- trackers ----
-        self.accelerator.log({**metrics, f"validation/{self.unit}": count}, step=log_step)
-        log_grid(self.accelerator, GRID_TAG, grid, log_step)
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
-        return ValidationResult(count, self.unit, metrics, self.folder / f"{name}.png", records, images_all)
+        return grid, records
