@@ -153,13 +153,20 @@ def model_card(
             lines.append(f"| {name} | `{_value(config[name])}` |")
     lines += ["", "Every setting of the run is in `config.json` beside the weights.", ""]
 
-    lines += ["## Validation", ""]
+    lines += _validation_section(records, cfg.validation_prompts_file)
+    lines += _usage_section(cfg, records, lora, base, where, network_class, network_name)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _validation_section(records: list[dict], prompts_file) -> list[str]:
+    """The card's validation table (one row per validation, the reward means) and the last grid."""
+    lines = ["## Validation", ""]
     if records:
         last = records[-1]
         sampler = last.get("sampler", {})
         lines += [
             (
-                f"{len(last['records'])} images of held-out prompts ({cfg.validation_prompts_file}), fixed seeds, "
+                f"{len(last['records'])} images of held-out prompts ({prompts_file}), fixed seeds, "
                 f"{sampler.get('scheduler')} with eta 0, {sampler.get('num_inference_steps')} steps, CFG "
                 f"{sampler.get('guidance_scale')}, scored by the training reward; the same images at every "
                 "validation, so only the weights differ."
@@ -185,6 +192,12 @@ def model_card(
     else:
         lines += ["No validation ran (train with `--validation_prompts_file` to get one).", ""]
 
+    return lines
+
+
+def _usage_section(cfg, records, lora: bool, base: str, where: str, network_class: str, network_name: str):
+    """Loading the weights with diffusers, and the inference script's command that draws the validation again."""
+    lines: list[str] = []
     example = records[-1]["records"][0]["prompt"] if records else "a photo of a cat"
     steps = cfg.validation_num_steps
     lines += [
@@ -217,7 +230,7 @@ def model_card(
         "",
         *_kit_example(cfg, where, base),
     ]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return lines
 
 
 def _kit_example(cfg, where: str, base: str) -> list[str]:
