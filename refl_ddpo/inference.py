@@ -191,10 +191,75 @@ def earlier_outputs(out_dir: Path) -> list[Path]:
     return sorted(own, key=lambda p: p.name != SCORES_FILE)
 
 
-def run_inference(cfg: InferenceConfig) -> dict:
-    """Generate, save and score every image of the prompts file; returns what it wrote to scores.json."""
+def _save_batch(out_dir: Path, batch: list[ImageSpec], pixels: torch.Tensor, scores: dict, settings: dict):
+    """The batch's PNGs (generation settings in their text chunks) and one record each (prompt, seed, file, every
+    reward's score)."""
     from PIL import Image
 
+    records = []
+    for b, spec in enumerate(batch):
+        Image.fromarray(pixels[b].numpy()).save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
+        record = {
+            "prompt": spec.prompt,
+            "seed": spec.seed,
+            "file": spec.file,
+            **{n: values[b] for n, values in scores.items()},
+            "prompt_index": spec.prompt_index,
+            "image_index": spec.image_index,
+        }
+        if spec.metadata:
+            record["metadata"] = spec.metadata
+        records.append(record)
+    return records
+
+
+def _save_grid(
+    path: Path, grid_images: list[torch.Tensor], records: list[dict], names: list[str], per_prompt: int
+):
+    """grid.png: the first images (H, W, 3) uint8, each captioned with its scores, seed and prompt."""
+    from PIL import Image
+
+    captions = [
+        " ".join([fmt_score(r[names[0]])] if len(names) == 1 else [f"{n} {fmt_score(r[n])}" for n in names])
+        + f" s{r['seed']} {r['prompt']}"
+        for r in records[: len(grid_images)]
+    ]
+    grid = caption_grid(
+        torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255,
+        captions,
+        cols=per_prompt if per_prompt > 1 else 4,
+        caption_lines=1 + len(names) if len(names) > 1 else 2,
+    )
+    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
+
+
+def _write_scores(out_dir: Path, cfg, scorers: dict, records: list[dict], seconds: float) -> dict:
+    """scores.json (written last: its presence means the run finished), and the summary line; returns its content."""
+    names = list(scorers)
+    # The first reward's mean / std / score_error stay at the top (as when ImageReward was the only score); every
+    # reward's are under "scores".
+    summaries = {
+        n: dict(zip(("mean", "std"), score_summary([r[n] for r in records]), strict=True)) for n in names
+    }
+    for n, fn in scorers.items():
+        if fn.error:
+            summaries[n]["score_error"] = fn.error
+    result = {"scorer": names[0], "rewards": names, "count": len(records), **summaries[names[0]]}
+    result["scores"] = summaries
+    result.update({"seconds_per_image": seconds / len(records), "config": cfg.to_dict(), "records": records})
+    write_json_atomic(out_dir / SCORES_FILE, result)
+    summary = ", ".join(
+        f"{reward_label(n)} mean {fmt_score(v['mean'])} std {fmt_score(v['std'])}"
+        if v["mean"] is not None
+        else f"no {reward_label(n)} scores"
+        for n, v in summaries.items()
+    )
+    print(f"{len(records)} images ({seconds / len(records):.2f} s/image) in {out_dir}: {summary}", flush=True)
+    return result
+
+
+def run_inference(cfg: InferenceConfig) -> dict:
+    """Generate, save and score every image of the prompts file; returns what it wrote to scores.json."""
     from refl_ddpo.outputs import check_output_dir
     from refl_ddpo.progress import progress_bar
     from refl_ddpo.threads import set_cpu_threads
@@ -245,22 +310,9 @@ def run_inference(cfg: InferenceConfig) -> dict:
                     f"'{batch[0].prompt}'); check --pretrained_model, --lora_dir and --dtype (fp16 can overflow)."
                 )
             pixels = to_uint8(images)  # (B, H, W, 3)
-            pil_images = [Image.fromarray(p.numpy()) for p in pixels]
             batch_prompts, batch_metadata = [s.prompt for s in batch], [s.metadata for s in batch]
             scores = {n: fn(batch_prompts, pixels, batch_metadata) for n, fn in scorers.items()}  # as saved
-            for b, (spec, pil) in enumerate(zip(batch, pil_images, strict=True)):
-                pil.save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
-                record = {
-                    "prompt": spec.prompt,
-                    "seed": spec.seed,
-                    "file": spec.file,
-                    **{n: scores[n][b] for n in names},
-                    "prompt_index": spec.prompt_index,
-                    "image_index": spec.image_index,
-                }
-                if spec.metadata:
-                    record["metadata"] = spec.metadata
-                records.append(record)
+            records += _save_batch(out_dir, batch, pixels, scores, settings)
             grid_images.extend(pixels[: max(0, cfg.grid_max_images - len(grid_images))])
             bar.set_postfix(  # the running mean of each reward
                 {n: fmt_score(score_summary([r[n] for r in records])[0]) for n in names}, refresh=False
@@ -270,39 +322,8 @@ def run_inference(cfg: InferenceConfig) -> dict:
 
     # ---- grid, then scores.json last ----
     if grid_images:
-        captions = [
-            " ".join(
-                [fmt_score(r[names[0]])] if len(names) == 1 else [f"{n} {fmt_score(r[n])}" for n in names]
-            )
-            + f" s{r['seed']} {r['prompt']}"
-            for r in records[: len(grid_images)]
-        ]
-        grid = caption_grid(
-            torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255,
-            captions,
-            cols=cfg.num_images_per_prompt if cfg.num_images_per_prompt > 1 else 4,
-            caption_lines=1 + len(names) if len(names) > 1 else 2,
-        )
-        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(out_dir / GRID_FILE)
-    # The first reward's mean / std / score_error stay at the top (as when ImageReward was the only score); every
-    # reward's are under "scores".
-    summaries = {
-        n: dict(zip(("mean", "std"), score_summary([r[n] for r in records]), strict=True)) for n in names
-    }
-    for n, fn in scorers.items():
-        if fn.error:
-            summaries[n]["score_error"] = fn.error
-    result = {"scorer": names[0], "rewards": names, "count": len(records), **summaries[names[0]]}
-    result["scores"] = summaries
-    result.update({"seconds_per_image": seconds / len(records), "config": cfg.to_dict(), "records": records})
-    write_json_atomic(out_dir / SCORES_FILE, result)
-    summary = ", ".join(
-        f"{reward_label(n)} mean {fmt_score(v['mean'])} std {fmt_score(v['std'])}"
-        if v["mean"] is not None
-        else f"no {reward_label(n)} scores"
-        for n, v in summaries.items()
-    )
-    print(f"{len(records)} images ({seconds / len(records):.2f} s/image) in {out_dir}: {summary}", flush=True)
+        _save_grid(out_dir / GRID_FILE, grid_images, records, names, cfg.num_images_per_prompt)
+    result = _write_scores(out_dir, cfg, scorers, records, seconds)
     return result
 
 
