@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from refl_ddpo import compare, inference
+from refl_ddpo.compare_picture import header_lines
 from refl_ddpo.errors import UserError
 from refl_ddpo.flags import parse_config
 from refl_ddpo.images import wrap_words
@@ -69,7 +70,7 @@ def test_compare_runs_every_shared_reward():
     assert (y["wins"], y["ties"], y["losses"]) == (1, 1, 1) and y["win_rate"] == 0.5
     assert [p["scores"]["y"]["delta"] for p in r["pairs"]] == [1.0, -1.0, 0.0]
     assert [p["delta"] for p in r["pairs"]] == [1.0, -0.5, 0.0]  # the first shared reward at the top
-    lines = compare.header_lines(r)
+    lines = header_lines(r)
     assert len(lines) == 2 and lines[0].startswith("x: before 1.000, after 1.167, difference +0.167")
     assert "95% CI" in lines[1] and "after wins 50%" in lines[1]
     text = compare.format_comparison(r, "before", "after")
