@@ -42,11 +42,13 @@ echo "   the colour word cyan alone ('a cyan square', 'a cyan triangle'; 'a cyan
 bash train_scripts/train_ddpo.sh --preset toy_world_sd3 --device cpu --output_dir "$OUT/ddpo_lora" --overwrite_output_dir
 
 echo "== before / after on the held-out prompts (DDPO: its word's held-out prompt on toy-sd3): the same prompts and seeds"
-GEN=(--prompts_file "$HELD_OUT" --num_images_per_prompt 8 --reward_model_dir "$TOY" --device cpu)
+# scored by the toy judge (toy_color_match: 1 where the colour is the prompt's; its mean is the colour accuracy) and the
+# trained reward, not ImageReward, which the toy world does not use
+GEN=(--prompts_file "$HELD_OUT" --num_images_per_prompt 8 --reward_model_dir "$TOY" --device cpu --rewards toy_color_match,toy_classifier)
 "$PYTHON" inference/inference.py "${GEN[@]}" --pretrained_model "$TOY/toy-sd" --output_dir "$OUT/base"
 "$PYTHON" inference/inference_lora.py "${GEN[@]}" --lora_dir "$OUT/refl_lora" --output_dir "$OUT/refl"
 mkdir -p "$OUT" && echo "a cyan circle" > "$OUT/cyan_held_out.txt"
-GEN_SD3=(--prompts_file "$OUT/cyan_held_out.txt" --num_images_per_prompt 16 --reward_model_dir "$TOY" --device cpu)
+GEN_SD3=(--prompts_file "$OUT/cyan_held_out.txt" --num_images_per_prompt 16 --reward_model_dir "$TOY" --device cpu --rewards toy_color_match)
 "$PYTHON" inference/inference.py "${GEN_SD3[@]}" --pretrained_model "$TOY/toy-sd3" --output_dir "$OUT/base_sd3"
 "$PYTHON" inference/inference_lora.py "${GEN_SD3[@]}" --lora_dir "$OUT/ddpo_lora" --output_dir "$OUT/ddpo"
 "$PYTHON" inference/compare.py "$OUT/base" "$OUT/refl" --out "$OUT/compare_refl"
