@@ -274,8 +274,15 @@ def _args(tiny_models, out: Path, *extra: str) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("flags", [["--backprop_steps", "random:1-3"], ["--draft_lv", "1"]])
-def test_trainer_runs_alignprop_and_draft_lv(tiny_models, tmp_path, capsys, flags):
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--backprop_steps", "random:1-3"], "AlignProp (K in 1..3)"),
+        (["--draft_lv", "1"], "DRaFT-LV (1 extra"),
+        (["--backprop_steps", "2", "--kl_weight", "0.1", "--report_to", "tensorboard"], "DRaFT-2"),
+    ],
+)
+def test_trainer_runs_alignprop_draft_lv_and_draft_with_kl(tiny_models, tmp_path, capsys, flags, says):
     from safetensors.torch import load_file
 
     from refl_ddpo.lora import LORA_WEIGHTS_NAME
@@ -283,7 +290,15 @@ def test_trainer_runs_alignprop_and_draft_lv(tiny_models, tmp_path, capsys, flag
     out = tmp_path / "out"
     refl.main(_args(tiny_models, out, *flags))
     printed = capsys.readouterr().out
-    assert ("AlignProp (K in 1..3)" if "random:1-3" in flags else "DRaFT-LV (1 extra") in printed
+    assert says in printed
+    if "--kl_weight" in flags:  # the KL over DRaFT's grad steps is logged, and positive once the LoRA moved
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (events,) = out.glob("logs/run-1/refl/events.out.tfevents.*")
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        kl = [e.value for e in acc.Scalars("refl/kl")]
+        assert len(kl) == 2 and all(v >= 0 for v in kl) and kl[-1] > 0, kl
     lora = load_file(str(out / LORA_WEIGHTS_NAME))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
 
