@@ -16,7 +16,7 @@ import pytest
 from learning_cases import CASES, Case, lora_digest
 from safetensors.torch import load_file
 
-from refl_ddpo import toy_world
+from refl_ddpo import toy_files, toy_world
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 
 pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
@@ -26,7 +26,7 @@ N_COMMITTED = 26  # files listed in SHA256SUMS: toy-sd/ 10, toy-sd3/ 14, the cla
 
 def check_only_the_lora_changed(out: Path) -> str:
     """The committed weights still match their sums and every LoRA B matrix moved off zero; the LoRA's sha256."""
-    assert len(toy_world.verify_sums(toy_world.DATA_DIR)) == N_COMMITTED, (
+    assert len(toy_files.verify_sums(toy_world.DATA_DIR)) == N_COMMITTED, (
         "the committed weights must not change"
     )
     lora = load_file(str(out / LORA_WEIGHTS_NAME))

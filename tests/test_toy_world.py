@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from refl_ddpo import toy_files
 from refl_ddpo import toy_world as tw
 from refl_ddpo.errors import UserError
 
@@ -135,9 +136,9 @@ def test_ragged_fraction_sees_a_shape_broken_into_specks():
 
 
 def test_committed_files_match_sha256sums():
-    listed = tw.verify_sums(tw.DATA_DIR)
+    listed = toy_files.verify_sums(tw.DATA_DIR)
     present = {p.relative_to(tw.DATA_DIR).as_posix() for p in tw.DATA_DIR.rglob("*") if p.is_file()}
-    assert set(listed) == present - {tw.SUMS_NAME}
+    assert set(listed) == present - {toy_files.SUMS_NAME}
     assert {
         "toy_classifier.safetensors",
         "toy_classifier.json",
@@ -166,7 +167,7 @@ def test_toy_world_copy_and_corruption(tmp_path, monkeypatch, capsys):
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
     with pytest.raises(UserError, match="toy_classifier.safetensors"):
-        tw.write_toy_world(tmp_path / "x", source=bad)
+        toy_files.write_toy_world(tmp_path / "x", source=bad)
     # the CLI: a mismatch is one line and exit 2 (random models skipped to keep this fast)
     monkeypatch.setattr(tw, "DATA_DIR", bad)
     monkeypatch.setattr(tiny, "write_tiny_models", lambda out, *a, **k: out)
@@ -355,7 +356,7 @@ def test_build_unet_from_a_folder(tmp_path):
         capture_output=True,
     )
     out = tmp_path / tw.SD_DIRNAME
-    assert len(tw.verify_sums(tmp_path)) == 10  # toy-sd/'s files, listed and matching
+    assert len(toy_files.verify_sums(tmp_path)) == 10  # toy-sd/'s files, listed and matching
 
     def same(name):
         ours, committed = load_file(out / name), load_file(SD / name)

@@ -252,9 +252,9 @@ def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
         from refl_ddpo.testing.toy_build import build_toy_world
 
         return build_toy_world(out)
-    from refl_ddpo import toy_world
+    from refl_ddpo import toy_files
 
-    return toy_world.write_toy_world(out)
+    return toy_files.write_toy_world(out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from refl_ddpo import toy_files
 from refl_ddpo import toy_world as tw
 from refl_ddpo.testing.toy_train import (
     CLASSIFIER_CHANNELS,
@@ -200,7 +201,7 @@ def build_toy_world(
     )
     build_toy_sd3(out, out / tw.SD_DIRNAME, seed, sd3_steps, confuse_p)
     if sums:
-        tw.write_sums(out)
+        toy_files.write_sums(out)
     _log(f"toy world written to {out} in {time.time() - t0:.0f} s")
     return out / tw.SD_DIRNAME
 
@@ -243,10 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--confuse_p must be a probability in [0, 1], got {args.confuse_p}")
     if args.sd3_from:
         models = [build_toy_sd3(args.out, args.sd3_from, args.seed, args.sd3_steps, args.confuse_p)]
-        tw.write_sums(Path(args.out))
+        toy_files.write_sums(Path(args.out))
     elif args.unet_from:
         models = [build_toy_sd(args.out, args.unet_from, args.seed, args.unet_steps, args.confuse_p)]
-        tw.write_sums(Path(args.out))
+        toy_files.write_sums(Path(args.out))
     else:
         sd = build_toy_world(
             args.out,
