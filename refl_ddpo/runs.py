@@ -6,7 +6,7 @@ A training output folder belongs to one run:
     output_dir/checkpoint-N/             accelerate state (LoRA or unet/, optimizer, random states) and
                                          train_state.json / train_state.safetensors (the trainer's counters)
     output_dir/checkpoint-N/checkpoint.json   written last: run id, trainer, N, process count, the settings a
-                                         resumed run must share (`RESUME_SETTINGS`) and every file's size
+                                         resumed run must share (`resume_fit.RESUME_SETTINGS`) and every file's size
     output_dir/config.json, pytorch_lora_weights.safetensors or unet/   the final weights (training.save_final)
 
 A checkpoint is *complete* when its checkpoint.json is there and every file it lists has the listed size; `latest`
@@ -33,6 +33,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from refl_ddpo.errors import UserError
+from refl_ddpo.resume_fit import check_resume_fits, settings
 
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
@@ -42,10 +43,6 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")
 # output folders this process claimed (resolved path -> run id), for release_run
 _claimed: dict[str, str] = {}
-
-# Config fields a resumed run must share with its checkpoint (the LoRA ones only when both use LoRA).
-RESUME_SETTINGS = ("pretrained_model", "resolution", "seed", "use_lora")
-LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_target_modules")
 
 
 @dataclass
@@ -75,23 +72,6 @@ def _preflight_only() -> bool:
 # ---- checkpoints: record, completeness, contents ----
 
 
-def _settings(cfg) -> dict:
-    model = cfg.pretrained_model
-    settings = {
-        "pretrained_model": str(Path(model).resolve()) if os.path.exists(model) else model,
-        "resolution": cfg.resolution,
-        "seed": cfg.seed,
-        "use_lora": cfg.use_lora,
-    }
-    if cfg.use_lora:
-        settings.update(
-            lora_rank=cfg.lora_rank,
-            lora_alpha=cfg.resolved_lora_alpha,
-            lora_target_modules=sorted(cfg.lora_target_modules),
-        )
-    return settings
-
-
 def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo) -> None:
     """Write folder/checkpoint.json, last: the run, the settings to match on resume, every file's size."""
     files = {
@@ -104,7 +84,7 @@ def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo
         "trainer": info.trainer,
         "step": step,
         "num_processes": num_processes,
-        "settings": _settings(cfg),
+        "settings": settings(cfg),
         "files": files,
     }
     tmp = folder / f".{MARKER}.tmp"
@@ -240,63 +220,6 @@ def hub_checkpoint(repo_id: str, token: str | None = None) -> Path:
     return complete[-1]
 
 
-def check_resume_fits(
-    path: Path, record: dict, cfg, trainer: str, steps_field: str, num_processes: int
-) -> None:
-    """The checkpoint's trainer, settings, process count and step against this run: one line per mismatch."""
-    where = f"--resume_from_checkpoint {path}"
-    if record.get("trainer") != trainer:
-        raise UserError(
-            f"{where} was written by the {record.get('trainer')} trainer, this is the {trainer} trainer; resume it "
-            f"with refl_ddpo.trainers.{record.get('trainer')} or pick a {trainer} checkpoint."
-        )
-    saved, ours = record.get("settings", {}), _settings(cfg)
-    names = RESUME_SETTINGS + (LORA_SETTINGS if saved.get("use_lora") and cfg.use_lora else ())
-    for name in names:
-        if name == "resolution" and cfg.resolution is None:
-            continue  # the model's native one: compared after loading (check_resumed_resolution)
-        if name in saved and saved[name] != ours[name]:
-            raise UserError(_mismatch(where, name, ours[name], saved[name]))
-    if record.get("num_processes", 1) != num_processes:
-        raise UserError(
-            f"{where} was written by {record.get('num_processes')} process(es), this run has {num_processes}; "
-            f"resume it with NUM_PROCESSES={record.get('num_processes')} (each process continues its own "
-            "random stream)."
-        )
-    limit = getattr(cfg, steps_field)
-    if int(record.get("step", 0)) > limit:
-        raise UserError(
-            f"{where} is past --{steps_field} {limit} (it is checkpoint {record['step']}); raise "
-            f"--{steps_field} or resume an earlier checkpoint-N."
-        )
-
-
-def _flag_value(name: str, value) -> str:
-    if name == "use_lora":
-        return "--use_lora" if value else "--no-use_lora"
-    if isinstance(value, list):
-        return f"--{name} {' '.join(map(str, value))}"
-    return f"--{name} {value}"
-
-
-def _mismatch(where: str, name: str, ours, saved) -> str:
-    return (
-        f"{where} was trained with {_flag_value(name, saved)}, this run has {_flag_value(name, ours)}; pass "
-        f"{_flag_value(name, saved)} to resume it (or start a new run in another --output_dir)."
-    )
-
-
-def check_resumed_resolution(cfg, info: RunInfo | None) -> None:
-    """After loading: a resolution left to the model's default must be the one the checkpoint was trained at."""
-    if info is None or info.resume_record is None:
-        return
-    saved = info.resume_record.get("settings", {}).get("resolution")
-    if saved is not None and saved != cfg.resolution:
-        raise UserError(
-            _mismatch(f"--resume_from_checkpoint {info.resume}", "resolution", cfg.resolution, saved)
-        )
-
-
 # ---- the output folder: whose run, claim, overwrite ----
 
 
@@ -388,8 +311,8 @@ def clear_run(cfg, output_dir: Path) -> list[str]:
 def start_run(cfg, trainer: str, steps_field: str) -> RunInfo:
     """Before any model is loaded: check output_dir (writable; free, continued or overwritten) and the checkpoint
     to resume (complete, readable, fitting this config and process count); claim output_dir for this run. Returns
-    the run's RunInfo (its id, and `.resume`: the checkpoint to resume from, or None). `steps_field` is the config field that bounds the checkpoint number
-    (max_train_steps, num_epochs).
+    the run's RunInfo (its id, and `.resume`: the checkpoint to resume from, or None). `steps_field` is the config
+    field that bounds the checkpoint number (max_train_steps, num_epochs).
 
     Only the main process (and launch.sh's preflight) checks and claims the folder; in launch.sh's preflight
     nothing is deleted or written."""

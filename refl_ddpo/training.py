@@ -154,7 +154,7 @@ def resolve_resolution(cfg: CommonConfig, family, info=None) -> CommonConfig:
     and, when resuming (`info`, start_run's RunInfo), against the resolution the checkpoint was trained at."""
     import dataclasses
 
-    from refl_ddpo.runs import check_resumed_resolution
+    from refl_ddpo.resume_fit import check_resumed_resolution
 
     if cfg.resolution is None:
         cfg = dataclasses.replace(cfg, resolution=family.native_resolution)
