@@ -1,5 +1,5 @@
-"""PPO over stored trajectories (DDPO, GRPO): the log-probability of a stored step under the current weights, and
-one inner epoch of PPO-clip updates over an epoch's samples (shuffled samples and timesteps, gradient accumulation
+"""PPO over stored trajectories (DDPO, GRPO): the loss of one stored step under the current weights, and one inner
+epoch of PPO-clip updates over an epoch's samples (shuffled samples and timesteps, gradient accumulation
 over the trained timesteps, the optional KL to the base model, the non-finite gradient guard)."""
 
 from __future__ import annotations
@@ -13,30 +13,6 @@ import torch
 from refl_ddpo.algorithms.policy import ppo_clip_loss
 from refl_ddpo.families import Cond, ModelFamily, cond_expand
 from refl_ddpo.rollouts import STEP_KEYS, shuffle_samples
-
-
-def step_log_prob(
-    family: ModelFamily,
-    scheduler,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    next_latents: torch.Tensor,
-    cond: Cond,
-    uncond: Cond | None,
-    guidance_scale: float,
-    eta: float,
-    network=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability (B,) of the stored `next_latents` under the current network, and the network's output.
-
-    latents / next_latents (B, C, h, w), timesteps (B,) (one per sample, after shuffling), `uncond` None: no CFG.
-    The scheduler must have `set_timesteps(sample_num_steps)`.
-    """
-    model_output = family.predict(latents, timesteps, scheduler, cond, uncond, guidance_scale, network)
-    _, log_prob, _ = family.step_with_logprob(
-        scheduler, model_output, timesteps, latents, eta, prev_sample=next_latents
-    )
-    return log_prob, model_output
 
 
 def ppo_step_loss(
@@ -57,9 +33,11 @@ def ppo_step_loss(
     unwrapped network with its LoRA switched off): (loss, metrics, log-probability (B,) under the current weights)."""
     from refl_ddpo.lora import adapters_off
 
-    x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]
-    log_prob, model_output = step_log_prob(
-        family, scheduler, x_t, t, batch["next_latents"][:, j], cond, uncond, guidance_scale, eta, network
+    x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]  # (B, C, h, w), (B,): one timestep per sample
+    # the stored next latent's log-probability under the current weights (the scheduler is set to the run's steps)
+    model_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
+    _, log_prob, _ = family.step_with_logprob(
+        scheduler, model_output, t, x_t, eta, prev_sample=batch["next_latents"][:, j]
     )
     loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range)
     if kl_weight > 0:

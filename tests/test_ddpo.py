@@ -26,7 +26,7 @@ from refl_ddpo.errors import UserError
 from refl_ddpo.families import load_family
 from refl_ddpo.families.base import cond_expand
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.ppo import step_log_prob, train_on_samples
+from refl_ddpo.ppo import train_on_samples
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.rollouts import sample_epoch, shuffle_samples, stack_samples
 from refl_ddpo.steps.ddim import ddim_step_kl
@@ -220,24 +220,17 @@ def _sample(family, negative, cfg, seed=0):
 def _log_probs(family, negative, samples, cfg) -> torch.Tensor:
     """(N, S) log-probs of the stored steps under the current UNet, with CFG (negative None: without)."""
     negative = None if negative is None else cond_expand(negative, len(samples["latents"]))
+    scheduler, cond = family.pipe.scheduler, {"prompt_embeds": samples["prompt_embeds"]}
+    out = []
     with torch.no_grad():
-        return torch.stack(
-            [
-                step_log_prob(
-                    family,
-                    family.pipe.scheduler,
-                    samples["latents"][:, j],
-                    samples["timesteps"][:, j],
-                    samples["next_latents"][:, j],
-                    {"prompt_embeds": samples["prompt_embeds"]},
-                    negative,
-                    cfg.sample_guidance_scale,
-                    cfg.sample_eta,
-                )[0]
-                for j in range(cfg.sample_num_steps)
-            ],
-            dim=1,
-        )
+        for j in range(cfg.sample_num_steps):
+            x_t, t = samples["latents"][:, j], samples["timesteps"][:, j]
+            eps = family.predict(x_t, t, scheduler, cond, negative, cfg.sample_guidance_scale)
+            _, log_prob, _ = family.step_with_logprob(
+                scheduler, eps, t, x_t, cfg.sample_eta, prev_sample=samples["next_latents"][:, j]
+            )
+            out.append(log_prob)
+    return torch.stack(out, dim=1)
 
 
 def _train(family, samples, negative, cfg, accelerator, optimizer, params, generator):
