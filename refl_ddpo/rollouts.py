@@ -38,7 +38,6 @@ def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: l
     return rewards.detach().float(), info
 
 
-@torch.no_grad()
 def sample_epoch(
     family: ModelFamily,
     scheduler,
@@ -69,54 +68,55 @@ def sample_epoch(
     autocast = autocast or nullcontext
     batches = []
     window = slice(None) if sde_window is None else slice(sde_window[0], sum(sde_window))
-    for b in range(num_batches):
-        prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
-        cond, _ = family.encode_prompts(prompts, with_negative=False)
-        dtype = next(iter(cond.values())).dtype
-        if initial_noise is None:
-            noise = family.initial_noise(batch_size, resolution, generator, dtype)
-        else:
-            noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
-        with autocast():
-            from refl_ddpo.sampling import denoise
+    with torch.no_grad():  # sampling: no graph (training recomputes each trained step with grad)
+        for b in range(num_batches):
+            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            dtype = next(iter(cond.values())).dtype
+            if initial_noise is None:
+                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            else:
+                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
+            with autocast():
+                from refl_ddpo.sampling import denoise
 
-            out = denoise(
-                family,
-                scheduler,
-                cond,
-                cond_expand(uncond, batch_size),
-                noise,
-                num_steps,
-                guidance_scale,
-                eta=eta,
-                generator=generator,
-                with_logprob=True,
-                keep_trajectory=True,
-                network=network,
-                sde_steps=None if sde_window is None else range(*window.indices(num_steps)),
+                out = denoise(
+                    family,
+                    scheduler,
+                    cond,
+                    cond_expand(uncond, batch_size),
+                    noise,
+                    num_steps,
+                    guidance_scale,
+                    eta=eta,
+                    generator=generator,
+                    with_logprob=True,
+                    keep_trajectory=True,
+                    network=network,
+                    sde_steps=None if sde_window is None else range(*window.indices(num_steps)),
+                )
+                images = family.decode(out.latents)
+            trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
+            rewards = (
+                executor.submit(_score, reward, images, prompts, metadata)
+                if executor is not None
+                else _score(reward, images, prompts, metadata)
             )
-            images = family.decode(out.latents)
-        trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
-        rewards = (
-            executor.submit(_score, reward, images, prompts, metadata)
-            if executor is not None
-            else _score(reward, images, prompts, metadata)
-        )
-        batches.append(
-            SampleBatch(
-                prompts=prompts,
-                prompt_metadata=metadata,
-                cond=cond,
-                timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1)[:, window],
-                latents=trajectory[:, :-1][:, window],
-                next_latents=trajectory[:, 1:][:, window],
-                log_probs=torch.stack(out.log_probs, dim=1)[:, window],
-                images=images,
-                rewards=rewards,
+            batches.append(
+                SampleBatch(
+                    prompts=prompts,
+                    prompt_metadata=metadata,
+                    cond=cond,
+                    timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1)[:, window],
+                    latents=trajectory[:, :-1][:, window],
+                    next_latents=trajectory[:, 1:][:, window],
+                    log_probs=torch.stack(out.log_probs, dim=1)[:, window],
+                    images=images,
+                    rewards=rewards,
+                )
             )
-        )
-        if on_batch is not None:
-            on_batch(batches[-1])
+            if on_batch is not None:
+                on_batch(batches[-1])
     return batches
 
 
