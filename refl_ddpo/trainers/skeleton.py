@@ -18,6 +18,7 @@ with its config and parts, and a line in train_scripts/.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +57,9 @@ class Run:
         return self.accelerator.process_index
 
 
-class Algorithm:
-    """The parts of one training algorithm. Subclasses set the class attributes and override what they need."""
+class Algorithm(ABC):
+    """The parts of one training algorithm. Subclasses set the class attributes, implement the abstract parts and
+    override the others where they need to."""
 
     name: ClassVar[str]  # metric prefix, tracker project, run records: "refl", "ddpo", "grpo"
     unit: ClassVar[str]  # what one iteration is: "step" or "epoch"
@@ -77,23 +79,23 @@ class Algorithm:
         self.check()
         return start_run(self.cfg, self.name, self.iterations_field)
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 (optional: nothing by default)
         """The algorithm's own checks before any model loads (after the shared ones, before output_dir is claimed);
         it may resolve more of the config (`self.cfg = dataclasses.replace(...)`): nothing changes it later."""
 
+    @abstractmethod
     def accumulation_steps(self) -> int:
         """Backward passes per optimizer step on one process (accelerate's gradient_accumulation_steps)."""
-        raise NotImplementedError
 
-    def check_processes(self, num_processes: int) -> None:
+    def check_processes(self, num_processes: int) -> None:  # noqa: B027 (optional: nothing by default)
         """Refuse a process count the config's arithmetic does not fit (the launcher's, now known)."""
 
     # ---- models ----
 
-    def setup(self, run: Run) -> None:
+    def setup(self, run: Run) -> None:  # noqa: B027 (optional: nothing by default)
         """The sampler, the reward (run.reward) and anything else the loop needs, before the optimizer is made."""
 
-    def setup_optimizer(self, run: Run) -> None:
+    def setup_optimizer(self, run: Run) -> None:  # noqa: B027 (optional: nothing by default)
         """Anything built on the optimizer (an lr schedule) or the trainable weights (EMA), before prepare."""
 
     def describe(self, run: Run) -> dict[str, Any]:
@@ -107,15 +109,16 @@ class Algorithm:
         return int(getattr(self.cfg, self.iterations_field))
 
     @property
+    @abstractmethod
     def validation_every(self) -> int:
-        raise NotImplementedError
+        """Validate every N iterations (0: only before the first and after the last)."""
 
-    def begin(self, run: Run, start: int) -> None:
+    def begin(self, run: Run, start: int) -> None:  # noqa: B027 (optional: nothing by default)
         """Before the first iteration of this start (progress bars, executors)."""
 
+    @abstractmethod
     def iteration(self, run: Run, index: int) -> None:
         """Iteration `index` (0-based): sample, score, update, log."""
-        raise NotImplementedError
 
     def log_step(self, done: int) -> int:
         """The tracker step at which a validation after `done` iterations is logged."""
@@ -125,22 +128,23 @@ class Algorithm:
         """The weights validation sees (EMA's, in an EMA run), for the duration of the context."""
         return nullcontext()
 
+    @abstractmethod
     def checkpoint_due(self, done: int) -> bool:
-        raise NotImplementedError
+        """Whether to save checkpoint-N after `done` iterations."""
 
+    @abstractmethod
     def state(self, run: Run, done: int) -> tuple[dict, dict[str, torch.Tensor]]:
         """(counters as JSON, tensors) that checkpoint-N keeps beside accelerate's state."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_state(self, run: Run, counters: dict, tensors: dict[str, torch.Tensor]) -> int:
         """Restore `state`'s output; returns the iterations already done."""
-        raise NotImplementedError
 
     def resumed(self, start: int) -> str:
         """What the 'resumed from checkpoint-N' line says after the path."""
         return f": {start} {self.unit}(s) done"
 
-    def end(self, run: Run) -> None:
+    def end(self, run: Run) -> None:  # noqa: B027 (optional: nothing by default)
         """After the last iteration of this start, or on the way out of an error."""
 
     def finish(self, run: Run) -> dict[str, int]:
