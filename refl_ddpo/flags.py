@@ -99,10 +99,11 @@ def build_parser(
     )
     parser.add_argument("--config", help="A yaml or json file of field: value; flags override it.")
     hints = typing.get_type_hints(cls)
-    group = parser
+    group, groups = parser, {}
     for f in fields(cls):
-        if f.metadata.get("group"):
-            group = parser.add_argument_group(f.metadata["group"])
+        title = f.metadata.get("group")
+        if title:  # a section named again (a subclass' field) is the same section
+            group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         tp, optional = unwrap_optional(hints[f.name])
         kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
         if not suppress_defaults:

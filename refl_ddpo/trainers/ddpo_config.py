@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from refl_ddpo.config import CommonConfig, field_
 from refl_ddpo.errors import UserError
@@ -14,8 +14,12 @@ from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
 
 
 @dataclass(frozen=True)
-class DDPOConfig(CommonConfig):
-    """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+class EpochConfig(CommonConfig):
+    """What every sample-then-train trainer (DDPO, GRPO, DiffusionNFT, AWM) shares: the prompts and the reward, the
+    epoch's sampling and training sizes, the run length, validation by epoch. Defaults: ddpo-pytorch
+    config/base.py."""
+
+    TRAINER: ClassVar[str] = "DDPO"  # the trainer's name in messages
 
     preset: str | None = field_(
         None,
@@ -41,9 +45,6 @@ class DDPOConfig(CommonConfig):
     )
     sample_num_steps: int = field_(
         50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
-    )
-    sample_eta: float = field_(
-        1.0, "DDIM eta of the sampler; must be > 0, the step log-probabilities need noise."
     )
     sample_guidance_scale: float = field_(
         5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)."
@@ -72,31 +73,7 @@ class DDPOConfig(CommonConfig):
         "steps). Their tiny noise scale makes their log-probability gradients the largest while they change only "
         "fine detail; skipping them focuses the update on the steps that decide the image's content.",
     )
-    train_clip_range: float = field_(
-        1e-4,
-        "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF).",
-        allow_inf=True,
-    )
     train_adv_clip_max: float = field_(5.0, "Advantages are clipped to [-this, this].")
-    train_cfg: bool = field_(
-        True, "Use CFG in the training forward, as in sampling (else the conditional UNet only)."
-    )
-    kl_weight: float = field_(
-        0.0,
-        "Weight of a KL penalty to the base model (LoRA switched off): the closed-form KL of the two Gaussian "
-        "steps (DDIM on SD 1.x; on SD3 Flow-GRPO's ||mean - mean_ref||^2 / (2 std_t^2)) per trained timestep, "
-        "averaged per dimension like the log-probabilities. 0 = off.",
-        flags=("--beta",),
-    )
-    per_prompt_stat_tracking: bool = field_(
-        True,
-        "Normalise rewards per prompt with a running buffer (else with the epoch's mean / std).",
-        group="advantages",
-    )
-    per_prompt_stat_tracking_buffer_size: int = field_(16, "Rewards kept per prompt for its mean / std.")
-    per_prompt_stat_tracking_min_count: int = field_(
-        16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
-    )
     nonfinite_rewards: Literal["error", "drop"] = field_(
         "error",
         "A NaN or inf reward stops the run (error, before that epoch's update); drop trains on the epoch's other "
@@ -156,7 +133,7 @@ class DDPOConfig(CommonConfig):
         10,
         "With --validation_prompts_file: validate every N epochs, besides before the first epoch and after the "
         "last (0 = only then).",
-        group="validation (DDPO, GRPO)",
+        group="validation (by epoch)",
         ge=0,
     )
     validation_steps: int | None = field_(
@@ -175,7 +152,7 @@ class DDPOConfig(CommonConfig):
         super().check()
         if self.checkpointing_steps != 0:
             raise UserError(
-                "--checkpointing_steps is not used by DDPO, which checkpoints by epoch: use --save_freq "
+                f"--checkpointing_steps is not used by {self.TRAINER}, which checkpoints by epoch: use --save_freq "
                 "N (epochs) instead."
             )
         self.check_positive(
@@ -186,12 +163,12 @@ class DDPOConfig(CommonConfig):
             "train_num_inner_epochs",
             "num_epochs",
             "save_freq",
-            "per_prompt_stat_tracking_buffer_size",
-            "per_prompt_stat_tracking_min_count",
             "max_workers",
         )
+        self._check_sampler()
         self._check_batches()
-        self._check_ppo()
+        self._check_steps()
+        self._check_objective()
         self._check_sources()
 
     def _check_aliases(self) -> None:
@@ -203,13 +180,14 @@ class DDPOConfig(CommonConfig):
                     f"--{alias} is an alias of --{name}: give only one of them."
                 )
 
+    def _check_sampler(self) -> None:
+        """The trainer's own sampler settings (DDPO: a stochastic one)."""
+
+    def _check_objective(self) -> None:
+        """The trainer's own loss settings, after the sizes and the trained steps are checked."""
+
     def _check_batches(self) -> None:
-        """The sampler is stochastic; an epoch's samples split into whole train batches and optimizer steps."""
-        if self.sample_eta <= 0:
-            raise UserError(
-                f"--sample_eta must be > 0 (got {self.sample_eta}): DDPO's step log-probabilities need "
-                "a stochastic sampler; ddpo-pytorch uses 1.0."
-            )
+        """An epoch's samples split into whole train batches and optimizer steps."""
         if self.sample_batch_size < self.train_batch_size or self.sample_batch_size % self.train_batch_size:
             divisor = _largest_divisor(self.sample_batch_size, self.train_batch_size)
             raise UserError(
@@ -229,8 +207,8 @@ class DDPOConfig(CommonConfig):
                 "--sample_num_batches_per_epoch or --train_gradient_accumulation_steps."
             )
 
-    def _check_ppo(self) -> None:
-        """Which steps train, PPO's clip ranges, the per-prompt buffer, the KL to the base."""
+    def _check_steps(self) -> None:
+        """Which steps train; the advantages' clip."""
         if not 0 < self.train_timestep_fraction <= 1:
             raise UserError(
                 f"--train_timestep_fraction must be in (0, 1] (got {self.train_timestep_fraction}); 1.0 "
@@ -246,22 +224,8 @@ class DDPOConfig(CommonConfig):
                 f"--train_timestep_fraction {self.train_timestep_fraction} x {self.trainable_steps_name()} "
                 f"{self.trainable_steps()} trains on no step: raise one of them."
             )
-        if not self.train_clip_range >= 0:
-            raise UserError(f"--train_clip_range must be >= 0 or inf (got {self.train_clip_range}).")
         if not self.train_adv_clip_max > 0:
             raise UserError(f"--train_adv_clip_max must be > 0 (got {self.train_adv_clip_max}).")
-        if self.per_prompt_stat_tracking_min_count > self.per_prompt_stat_tracking_buffer_size:
-            raise UserError(
-                f"--per_prompt_stat_tracking_min_count {self.per_prompt_stat_tracking_min_count} exceeds "
-                f"--per_prompt_stat_tracking_buffer_size {self.per_prompt_stat_tracking_buffer_size}: the "
-                "buffer could never hold enough rewards; make the buffer at least min_count."
-            )
-        if self.kl_weight < 0:
-            raise UserError(f"--kl_weight (--beta) must be >= 0 (got {self.kl_weight}).")
-        if self.kl_weight > 0 and not self.use_lora:
-            raise UserError(
-                "--kl_weight (--beta) needs --use_lora: the base model is the UNet with the LoRA switched off."
-            )
 
     def _check_sources(self) -> None:
         """The reward's server (VLM judges) and the prompt source, before any model loads."""
@@ -298,6 +262,65 @@ class DDPOConfig(CommonConfig):
         )
 
 
+@dataclass(frozen=True)
+class DDPOConfig(EpochConfig):
+    """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+
+    sample_eta: float = field_(
+        1.0, "DDIM eta of the sampler; must be > 0, the step log-probabilities need noise.", group="sampling"
+    )
+    train_clip_range: float = field_(
+        1e-4,
+        "PPO clip range c: the ratio is clipped to [1 - c, 1 + c]; 'inf' turns clipping off (DDPO-SF).",
+        group="training",
+        allow_inf=True,
+    )
+    train_cfg: bool = field_(
+        True, "Use CFG in the training forward, as in sampling (else the conditional UNet only)."
+    )
+    kl_weight: float = field_(
+        0.0,
+        "Weight of a KL penalty to the base model (LoRA switched off): the closed-form KL of the two Gaussian "
+        "steps (DDIM on SD 1.x; on SD3 Flow-GRPO's ||mean - mean_ref||^2 / (2 std_t^2)) per trained timestep, "
+        "averaged per dimension like the log-probabilities. 0 = off.",
+        flags=("--beta",),
+    )
+    per_prompt_stat_tracking: bool = field_(
+        True,
+        "Normalise rewards per prompt with a running buffer (else with the epoch's mean / std).",
+        group="advantages",
+    )
+    per_prompt_stat_tracking_buffer_size: int = field_(16, "Rewards kept per prompt for its mean / std.")
+    per_prompt_stat_tracking_min_count: int = field_(
+        16, "Below this many buffered rewards a prompt uses the epoch's mean / std instead."
+    )
+
+    def _check_sampler(self) -> None:
+        if self.sample_eta <= 0:
+            raise UserError(
+                f"--sample_eta must be > 0 (got {self.sample_eta}): DDPO's step log-probabilities need "
+                "a stochastic sampler; ddpo-pytorch uses 1.0."
+            )
+
+    def _check_objective(self) -> None:
+        """PPO's clip range, the per-prompt buffer, the KL to the base."""
+        self.check_positive("per_prompt_stat_tracking_buffer_size", "per_prompt_stat_tracking_min_count")
+        if not self.train_clip_range >= 0:
+            raise UserError(f"--train_clip_range must be >= 0 or inf (got {self.train_clip_range}).")
+        if self.per_prompt_stat_tracking_min_count > self.per_prompt_stat_tracking_buffer_size:
+            raise UserError(
+                f"--per_prompt_stat_tracking_min_count {self.per_prompt_stat_tracking_min_count} exceeds "
+                f"--per_prompt_stat_tracking_buffer_size {self.per_prompt_stat_tracking_buffer_size}: the "
+                "buffer could never hold enough rewards; make the buffer at least min_count."
+            )
+        if self.kl_weight < 0:
+            raise UserError(f"--kl_weight (--beta) must be >= 0 (got {self.kl_weight}).")
+        if self.kl_weight > 0 and not self.use_lora:
+            raise UserError(
+                "--kl_weight (--beta) needs --use_lora: the base model is the UNet with the LoRA switched off."
+            )
+
+
 DDPO_ALIASES = {
     "num_inference_steps": "sample_num_steps",
     "guidance_scale": "sample_guidance_scale",
@@ -310,7 +333,7 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
-DDPOConfig.ALIASES = DDPO_ALIASES
+EpochConfig.ALIASES = DDPO_ALIASES
 DDPOConfig.PRESETS = DDPO_PRESETS
 
 

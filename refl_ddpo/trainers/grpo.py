@@ -30,11 +30,12 @@ import torch
 from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
 from refl_ddpo.errors import cli_main
 from refl_ddpo.families import ModelFamily
-from refl_ddpo.rollouts import draw_window_start, epoch_groups
+from refl_ddpo.rollouts import draw_window_start
 from refl_ddpo.trainers.ddpo import DDPO, EpochPlan
-from refl_ddpo.trainers.grpo_config import GRPOConfig, check_group_arithmetic, group_sizes
+from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
+from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
-from refl_ddpo.training import seeded_generator, stream_seed
+from refl_ddpo.training import seeded_generator
 
 __all__ = ["GRPO", "GRPOConfig", "grouped_epoch", "main", "preflight", "train"]
 
@@ -45,24 +46,7 @@ def grouped_epoch(
     """GRPO's epoch plan, the same on every process: this process' prompt_fn (its slice of the groups), the group id
     of each of its samples (N,), their initial noise (one x_T per group with --same_noise_per_group, else None),
     and the SDE window (start, length) or None."""
-    from refl_ddpo.prompts import get_prompt_fn
-
-    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
-    num_groups = per_process * num_processes // cfg.group_size
-    prompt_fn = get_prompt_fn(  # one stream for all processes: every one of them draws the same groups
-        cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-        seed=stream_seed(cfg.seed, epoch, 0, 3),
-    )
-    samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
-    mine = slice(rank * per_process, (rank + 1) * per_process)
-    local = iter(samples[mine])
-    noise = None
-    if cfg.same_noise_per_group:
-        group_noise = [
-            family.initial_noise(1, cfg.resolution, seeded_generator(cfg.seed, epoch, 4, g), dtype)
-            for g in range(num_groups)
-        ]
-        noise = torch.cat([group_noise[g] for g in group_ids[mine].tolist()])
+    prompt_fn, group_ids, noise = grouped_prompts(cfg, family, epoch, rank, num_processes, dtype)
     window = None
     if cfg.sde_window:
         start = cfg.sde_window_start
@@ -70,7 +54,7 @@ def grouped_epoch(
             last = cfg.sample_num_steps - cfg.train_skip_last_steps  # the window ends at or before this step
             start = draw_window_start(seeded_generator(cfg.seed, epoch, 5), last, cfg.sde_window)
         window = (start, cfg.sde_window)
-    return (lambda: next(local)), group_ids[mine], noise, window
+    return prompt_fn, group_ids, noise, window
 
 
 class GRPO(DDPO):

@@ -3,7 +3,6 @@ recipe and the toy world as presets."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +10,13 @@ from refl_ddpo.config import field_
 from refl_ddpo.errors import UserError
 from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, DDPOConfig
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
+from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, group_sizes
+
+__all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "group_sizes"]
 
 
 @dataclass(frozen=True)
-class GRPOConfig(DDPOConfig):
+class GRPOConfig(GroupConfig, DDPOConfig):
     """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
     --group_size times and a sample's advantage is its reward against its group's. Defaults: DDPO's, with group
     advantages in place of the per-prompt buffer and two groups of 8 per epoch."""
@@ -24,22 +26,6 @@ class GRPOConfig(DDPOConfig):
         2,
         "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images, "
         "in groups of --group_size.",
-    )
-    group_size: int = field_(
-        8,
-        "Samples per prompt in an epoch (one group); a group may be spread over processes. Images per epoch "
-        "(--sample_batch_size x --sample_num_batches_per_epoch x processes) must be a multiple of it.",
-        group="groups (GRPO)",
-    )
-    global_std: bool = field_(
-        False,
-        "Divide by the std of all the epoch's rewards (gathered over processes; Flow-GRPO's default) instead "
-        "of the group's.",
-    )
-    same_noise_per_group: bool = field_(
-        False,
-        "One shared initial noise x_T per group (DanceGRPO): the group's rewards then differ only by the "
-        "sampler's step noise, so the advantages measure what the policy's steps did.",
     )
     sde_window: int = field_(
         0,
@@ -70,13 +56,6 @@ class GRPOConfig(DDPOConfig):
                 "--per_prompt_stat_tracking is DDPO's; GRPO normalises each reward within its group "
                 "(--group_size, --global_std): drop the flag."
             )
-        if self.group_size < 2:
-            raise UserError(
-                f"--group_size must be >= 2 (got {self.group_size}): a group of one has advantage 0 and "
-                "gives no gradient; Flow-GRPO uses 24 on 8 GPUs, 8 is a start on one."
-            )
-        # WORLD_SIZE: set by launch.sh's check and by accelerate in every process (train() checks again)
-        check_group_arithmetic(self, int(os.environ.get("WORLD_SIZE", "1")))
         if self.sde_window < 0:
             raise UserError(f"--sde_window must be >= 0 (got {self.sde_window}); 0 = every step stochastic.")
         if self.sde_window:
@@ -192,37 +171,3 @@ GRPO_PRESETS["toy_world_sd3"] = {
 
 GRPOConfig.ALIASES = DDPO_ALIASES
 GRPOConfig.PRESETS = GRPO_PRESETS
-
-
-def check_group_arithmetic(cfg: GRPOConfig, num_processes: int) -> None:
-    """Refuse an epoch that is not a whole number of groups, in one line that names the fields and two fixes: the
-    nearest --group_size that fits, and the least --sample_num_batches_per_epoch above the current one that fits
-    (keeping the epoch a whole number of optimizer steps)."""
-    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
-    images = per_process * num_processes
-    if images % cfg.group_size == 0:
-        return
-    divisors = [d for d in range(2, images + 1) if images % d == 0]
-    group = max((d for d in divisors if d <= cfg.group_size), default=min(divisors, default=0))
-    per_step = cfg.train_batch_size * cfg.train_gradient_accumulation_steps
-    batches = next(
-        n
-        for n in range(
-            cfg.sample_num_batches_per_epoch, cfg.sample_num_batches_per_epoch * cfg.group_size + 1
-        )
-        if (cfg.sample_batch_size * n * num_processes) % cfg.group_size == 0
-        and (cfg.sample_batch_size * n) % per_step == 0
-    )
-    hint = f" x {num_processes} processes" if num_processes > 1 else ""
-    fixes = f"--group_size {group} or " if group else ""
-    raise UserError(
-        f"images per epoch (--sample_batch_size {cfg.sample_batch_size} x --sample_num_batches_per_epoch "
-        f"{cfg.sample_num_batches_per_epoch}{hint} = {images}) must be a multiple of --group_size {cfg.group_size}: "
-        f"use {fixes}--sample_num_batches_per_epoch {batches}."
-    )
-
-
-def group_sizes(cfg: GRPOConfig, num_processes: int) -> dict[str, int]:
-    """GRPO's derived sizes, printed before training beside DDPO's."""
-    images = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch * num_processes
-    return {"groups (prompts) per epoch": images // cfg.group_size, "samples per group": cfg.group_size}
