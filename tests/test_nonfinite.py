@@ -158,8 +158,8 @@ def test_ddpo_drops_non_finite_rewards_when_asked_and_stops_when_all_are(
 
 
 def test_ddpo_non_finite_rewards_are_an_error_by_default():
-    from refl_ddpo.trainers.ddpo import check_rewards
     from refl_ddpo.trainers.ddpo_config import DDPOConfig
+    from refl_ddpo.trainers.epochs import check_rewards
 
     rewards = torch.tensor([1.0, float("nan"), float("inf"), 2.0])
     cfg = DDPOConfig(output_dir="unused-never-created")
