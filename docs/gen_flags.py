@@ -72,6 +72,22 @@ COMMANDS = (
         "refl-ddpo-grpo",
     ),
     Command(
+        "nft",
+        "DiffusionNFT",
+        "refl_ddpo.trainers.forward_config:NFTConfig",
+        "refl_ddpo.trainers.nft",
+        "refl_ddpo/trainers/nft.py",
+        "refl-ddpo-nft",
+    ),
+    Command(
+        "awm",
+        "AWM",
+        "refl_ddpo.trainers.forward_config:AWMConfig",
+        "refl_ddpo.trainers.awm",
+        "refl_ddpo/trainers/awm.py",
+        "refl-ddpo-awm",
+    ),
+    Command(
         "inference",
         "Inference",
         "refl_ddpo.inference_config:InferenceConfig",
@@ -188,15 +204,10 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 def groups(cls: type) -> list[tuple[str, list[dataclasses.Field]]]:
-    """The fields by `--help` section, as build_parser groups them: a field's `group` starts a section that the
-    fields after it share; fields before any group are in argparse's `options` (beside --config). Sections of the
-    same title (a subclass may name a group again) are merged, in order of first appearance."""
-    sections: dict[str, list] = {"options": []}
-    title = "options"
-    for f in dataclasses.fields(cls):
-        title = f.metadata.get("group") or title
-        sections.setdefault(title, []).append(f)
-    return list(sections.items())
+    """The fields by `--help` section, as build_parser groups them (refl_ddpo.config.field_sections)."""
+    from refl_ddpo.config import field_sections
+
+    return field_sections(cls)
 
 
 # ---------------------------------------------------------------------------------------------------------------

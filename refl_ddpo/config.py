@@ -28,6 +28,23 @@ def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, 
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def field_sections(cls: type) -> list[tuple[str, list[dataclasses.Field]]]:
+    """A config's fields by `--help` section: a field's `group` starts a section that the fields after it share (a
+    field a subclass redefines without a group keeps the group its base gave it); fields before any group are in
+    `options` (argparse's, beside --config). Sections of the same title are merged, in order of first appearance."""
+    inherited: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        for f in getattr(base, "__dataclass_fields__", {}).values():
+            if f.metadata.get("group"):
+                inherited[f.name] = f.metadata["group"]
+    sections: dict[str, list] = {"options": []}
+    title = "options"
+    for f in fields(cls):
+        title = f.metadata.get("group") or inherited.get(f.name) or title
+        sections.setdefault(title, []).append(f)
+    return list(sections.items())
+
+
 class ConfigBase:
     """What every config dataclass can do: dict/JSON out, a readable print, shared checks."""
 

@@ -31,6 +31,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
 
+from refl_ddpo.config import field_sections
 from refl_ddpo.errors import UserError, read_utf8
 
 DEFAULTS_ENV = "REFL_DDPO_DEFAULTS"  # a script's defaults, as flags (a layer below --config)
@@ -99,11 +100,11 @@ def build_parser(
     )
     parser.add_argument("--config", help="A yaml or json file of field: value; flags override it.")
     hints = typing.get_type_hints(cls)
-    group, groups = parser, {}
-    for f in fields(cls):
-        title = f.metadata.get("group")
-        if title:  # a section named again (a subclass' field) is the same section
-            group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+    sections = [
+        (parser if title == "options" else parser.add_argument_group(title), fs)
+        for title, fs in field_sections(cls)
+    ]
+    for group, f in ((g, f) for g, fs in sections for f in fs):
         tp, optional = unwrap_optional(hints[f.name])
         kw: dict[str, Any] = {"help": f.metadata.get("help", ""), "dest": f.name}
         if not suppress_defaults:

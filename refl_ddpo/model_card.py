@@ -34,7 +34,26 @@ _POLICY = (
     "train_clip_range",
     "kl_weight",
 )
-NAMES = {"refl": "ReFL", "ddpo": "DDPO", "grpo": "GRPO"}
+_FORWARD = (
+    "reward",
+    "prompt_fn",
+    "prompts_file",
+    "sample_num_steps",
+    "sample_guidance_scale",
+    "sample_batch_size",
+    "sample_num_batches_per_epoch",
+    "group_size",
+    "global_std",
+    "train_batch_size",
+    "train_gradient_accumulation_steps",
+    "train_num_inner_epochs",
+    "train_timestep_fraction",
+    "kl_weight",
+    "old_decay_flat",
+    "old_decay_rate",
+    "old_decay_max",
+)
+NAMES = {"refl": "ReFL", "ddpo": "DDPO", "grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM"}
 METHODS = {
     "refl": (
         "ReFL (Reward Feedback Learning): the reward's gradient through one late denoising step",
@@ -66,6 +85,16 @@ METHODS = {
         "GRPO: group-relative advantages and PPO-clip on the sampler's step log-probabilities",
         "Flow-GRPO, Liu et al. 2025, arXiv 2505.05470; DanceGRPO, Xue et al. 2025",
         (*_POLICY, "group_size", "global_std", "same_noise_per_group", "sde_window"),
+    ),
+    "nft": (
+        "DiffusionNFT: the denoising loss of implicit positive and negative policies on forward-noised clean samples",
+        "Zheng et al. 2025, arXiv 2509.16117",
+        (*_FORWARD, "nft_beta"),
+    ),
+    "awm": (
+        "AWM (Advantage Weighted Matching): PPO-clip on the weighted matching loss of forward-noised clean samples",
+        "Xue et al. 2025; X-GenGroup/Flow-Factory",
+        (*_FORWARD, "awm_weighting", "train_clip_range", "old_kl_weight"),
     ),
 }
 DRAFT_METHOD = (

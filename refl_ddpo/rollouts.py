@@ -120,7 +120,71 @@ def sample_epoch(
     return batches
 
 
-def collect_rewards(batches: list[SampleBatch]) -> None:
+@dataclass
+class CleanBatch:
+    """One batch of clean samples for the forward-process trainers: the final latents x0, no trajectory."""
+
+    prompts: list[str]
+    prompt_metadata: list[dict]
+    cond: Cond  # e.g. {"prompt_embeds": (B, L, D)}
+    latents: torch.Tensor  # (B, C, h, w): x0 as the sampler left it
+    images: torch.Tensor  # (B, 3, H, W) in [0, 1]
+    rewards: Future | tuple[torch.Tensor, dict]
+
+
+def sample_clean(
+    family: ModelFamily,
+    scheduler,
+    prompt_fn,
+    reward: Reward,
+    uncond: Cond | None,
+    *,
+    batch_size: int,
+    num_batches: int,
+    num_steps: int,
+    guidance_scale: float,
+    resolution: int,
+    generator: torch.Generator,
+    network=None,
+    autocast=None,
+    executor: ThreadPoolExecutor | None = None,
+    initial_noise: torch.Tensor | None = None,
+    on_batch: Callable[[CleanBatch], None] | None = None,
+) -> list[CleanBatch]:
+    """Sample `num_batches` batches of clean latents with the deterministic sampler (DDIM eta 0, the flow Euler
+    step; CFG with `uncond` (batch 1) when guidance_scale > 1), decode and score them (futures with `executor`).
+    `generator` draws the initial noise unless `initial_noise` (N, C, h, w) is given."""
+    from refl_ddpo.sampling import denoise
+
+    autocast = autocast or nullcontext
+    batches = []
+    with torch.no_grad():
+        for b in range(num_batches):
+            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            dtype = next(iter(cond.values())).dtype
+            if initial_noise is None:
+                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            else:
+                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
+            guided = None if uncond is None else cond_expand(uncond, batch_size)
+            with autocast():
+                out = denoise(
+                    family, scheduler, cond, guided, noise, num_steps, guidance_scale, network=network
+                )
+                images = family.decode(out.latents)
+            rewards = (
+                executor.submit(_score, reward, images, prompts, metadata)
+                if executor is not None
+                else _score(reward, images, prompts, metadata)
+            )
+            batches.append(CleanBatch(prompts, metadata, cond, out.latents, images, rewards))
+            if on_batch is not None:
+                on_batch(batches[-1])
+    return batches
+
+
+def collect_rewards(batches: list) -> None:
     """Wait for reward futures, in place: each batch's `rewards` becomes (rewards (B,), info)."""
     for batch in batches:
         if isinstance(batch.rewards, Future):

@@ -149,6 +149,21 @@ class ModelFamily(ABC):
         t = torch.as_tensor(timestep, device=x0.device).reshape(-1).expand(x0.shape[0])
         return scheduler.add_noise(x0, noise, t)
 
+    # ---- the forward process (DiffusionNFT, AWM): per-sample timesteps (B,), values of `scheduler.timesteps` ----
+    @abstractmethod
+    def pred_x0(
+        self, scheduler, model_output, timesteps: torch.Tensor, latents: torch.Tensor
+    ) -> torch.Tensor:
+        """The x0 the network's output predicts at x_t = `latents`; affine in the output (float32)."""
+
+    @abstractmethod
+    def training_target(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timesteps) -> torch.Tensor:
+        """What pretraining regresses the network's output on at add_noise(x0, noise, t) (float32)."""
+
+    @abstractmethod
+    def noise_level(self, scheduler, timesteps: torch.Tensor) -> torch.Tensor:
+        """The noise's share of x_t (B,): sigma on flow models, sqrt(1 - abar_t) on DDPM-trained ones."""
+
     @abstractmethod
     def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
         """KL (B,) between the stochastic steps of two model outputs at the same state, per dimension."""

@@ -82,6 +82,33 @@ class StableDiffusion(ModelFamily):
         a = scheduler.alphas_cumprod[int(timestep)].item()
         return a / (1 - a)
 
+    def _abar(self, scheduler, timesteps, like: torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(timesteps).reshape(-1).long().cpu()
+        a = scheduler.alphas_cumprod[t].float().expand(like.shape[0])
+        return a.reshape(-1, *(1,) * (like.ndim - 1)).to(like.device)
+
+    def pred_x0(self, scheduler, model_output, timesteps, latents) -> torch.Tensor:
+        a, out, x = self._abar(scheduler, timesteps, latents), model_output.float(), latents.float()
+        kind = scheduler.config.prediction_type
+        if kind == "epsilon":
+            return (x - (1 - a).sqrt() * out) / a.sqrt()
+        if kind == "v_prediction":
+            return a.sqrt() * x - (1 - a).sqrt() * out
+        if kind == "sample":
+            return out
+        raise ValueError(f"prediction_type {kind!r} is not epsilon, v_prediction or sample")
+
+    def training_target(self, scheduler, x0, noise, timesteps) -> torch.Tensor:
+        kind = scheduler.config.prediction_type
+        if kind == "v_prediction":
+            a = self._abar(scheduler, timesteps, x0)
+            return a.sqrt() * noise.float() - (1 - a).sqrt() * x0.float()
+        return (noise if kind == "epsilon" else x0).float()
+
+    def noise_level(self, scheduler, timesteps) -> torch.Tensor:
+        t = torch.as_tensor(timesteps).reshape(-1).long().cpu()
+        return (1 - scheduler.alphas_cumprod[t].float()).sqrt()
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.vae
         images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]

@@ -156,6 +156,16 @@ class StableDiffusion3(ModelFamily):
         sigma = step_sigmas(scheduler, timestep, 1)[0].item()
         return 1.0 / sigma**2
 
+    def pred_x0(self, scheduler, model_output, timesteps, latents) -> torch.Tensor:
+        return flow_pred_x0(scheduler, model_output.float(), timesteps, latents)
+
+    def training_target(self, scheduler, x0, noise, timesteps) -> torch.Tensor:
+        return noise.float() - x0.float()  # the velocity of x_t = (1 - sigma) x0 + sigma noise
+
+    def noise_level(self, scheduler, timesteps) -> torch.Tensor:
+        t = torch.as_tensor(timesteps).reshape(-1)
+        return step_sigmas(scheduler, t, t.shape[0])[0]
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.vae
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor

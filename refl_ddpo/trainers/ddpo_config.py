@@ -128,7 +128,7 @@ class EpochConfig(CommonConfig):
         "Alias of --train_gradient_accumulation_steps (the common flag); if both are set to different values "
         "it is an error.",
     )
-    checkpointing_steps: int = field_(0, "Not used by DDPO, which saves by epoch: use --save_freq.")
+    checkpointing_steps: int = field_(0, "Not used: this trainer saves by epoch, use --save_freq.")
     validation_epochs: int = field_(
         10,
         "With --validation_prompts_file: validate every N epochs, besides before the first epoch and after the "
@@ -138,7 +138,7 @@ class EpochConfig(CommonConfig):
     )
     validation_steps: int | None = field_(
         None,
-        "Alias of --validation_epochs: DDPO and GRPO validate by epoch (an epoch = sampling, then training).",
+        "Alias of --validation_epochs: this trainer validates by epoch (an epoch = sampling, then training).",
     )
 
     def __post_init__(self) -> None:

@@ -1,0 +1,218 @@
+"""The forward-process trainers' configs: DiffusionNFT (`NFTConfig`) and AWM (`AWMConfig`) on the shared epoch and
+groups, with the papers' SD3.5-M recipes and the toy world as presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from refl_ddpo.config import field_
+from refl_ddpo.errors import UserError
+from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
+from refl_ddpo.trainers.groups import GroupConfig
+
+SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+@dataclass(frozen=True)
+class ForwardConfig(GroupConfig):
+    """What DiffusionNFT and AWM share: clean samples from a deterministic sampler, group advantages, the denoising
+    loss on forward-noised samples at the sampler's timesteps, an old policy updated softly each epoch."""
+
+    sample_num_steps: int = field_(
+        10,
+        "Steps of the deterministic sampler (DDIM eta 0 on SD 1.x, the flow Euler step on SD3) that draws the "
+        "clean samples; training noises them again at these steps' timesteps.",
+        group="sampling",
+    )
+    sample_guidance_scale: float = field_(
+        1.0,
+        "CFG scale when sampling (1 = CFG-free, as both papers; training never uses CFG).",
+    )
+    sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
+    sample_num_batches_per_epoch: int = field_(
+        2,
+        "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images, "
+        "in groups of --group_size.",
+    )
+    train_timestep_fraction: float = field_(
+        0.99,
+        "Fraction of the sampler's timesteps each sample is trained at (a random subset per sample and inner "
+        "epoch; DiffusionNFT: int(10 x 0.99) = 9 of 10), in (0, 1].",
+        group="training",
+        flags=("--timestep_fraction",),
+    )
+    kl_weight: float = field_(
+        1e-4,
+        "Weight of the penalty mean((output - output_base)^2) to the base model (LoRA switched off), in the "
+        "network's output space, per trained timestep (both papers' KL; 1e-4 as they use). 0 = off.",
+        ge=0,
+    )
+    old_decay_flat: int = field_(
+        0,
+        "The old policy's soft update old <- d old + (1 - d) new after each epoch has d = 0 for this many "
+        "optimizer steps, then d = min((step - flat) x --old_decay_rate, --old_decay_max).",
+        group="old policy",
+        ge=0,
+    )
+    old_decay_rate: float = field_(0.001, "Growth of d per optimizer step after the flat part.", ge=0)
+    old_decay_max: float = field_(
+        0.5, "The largest d (0 = the old policy is the current one after each epoch).", ge=0, le=1
+    )
+    learning_rate: float = field_(3e-4, "AdamW learning rate.")
+    adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")
+
+    TRAINER: ClassVar[str] = "NFT"
+
+    def _check_objective(self) -> None:
+        if self.kl_weight > 0 and not self.use_lora:
+            raise UserError(
+                f"--kl_weight needs --use_lora: the base model is the network with the LoRA switched off; use "
+                f"--kl_weight 0 to fine-tune all of {self.TRAINER}'s network."
+            )
+
+
+@dataclass(frozen=True)
+class NFTConfig(ForwardConfig):
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) with LoRA: sample clean images with the old policy, turn
+    group advantages into optimality probabilities, train the implicit positive and negative policies on the forward
+    process. Defaults: the reference's SD3.5-M settings (NVlabs/DiffusionNFT config/nft.py) at one GPU's batch."""
+
+    nft_beta: float = field_(
+        1.0,
+        "beta of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v: how far "
+        "a step moves from the old policy (1.0 for GenEval / PickScore in the reference, 0.1 for OCR).",
+        group="DiffusionNFT",
+        gt=0,
+    )
+    output_dir: str = field_(
+        "checkpoint/nft_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
+
+
+@dataclass(frozen=True)
+class AWMConfig(ForwardConfig):
+    """Advantage Weighted Matching (Xue et al. 2025) with LoRA, as Flow-Factory's trainers/awm.py: the negative
+    (weighted) matching loss stands in for the log-likelihood in a PPO-clip objective, with KL terms to the base
+    model and to an EMA of the weights (the old policy). Samples come from the current weights."""
+
+    awm_weighting: Literal["uniform", "t", "ghuber"] = field_(
+        "ghuber",
+        "Weighting of the matching loss m by the noise level t: uniform (-m), t (-t m), ghuber (-(m^p - eps^p) t / "
+        "p, Flow-Factory's default).",
+        group="AWM",
+    )
+    ghuber_power: float = field_(0.25, "p of the ghuber weighting.", gt=0)
+    train_clip_range: float = field_(
+        1.0, "PPO clip range c of the ratio exp(ll - ll_old): clipped to [1 - c, 1 + c].", gt=0
+    )
+    old_kl_weight: float = field_(
+        1.0,
+        "Weight of mean((output - output_old)^2) to the EMA of the weights (the old policy), which steadies "
+        "training (Flow-Factory's ema_kl_beta). 0 = off.",
+        ge=0,
+    )
+    old_decay_rate: float = field_(0.0003, "Growth of d per optimizer step after the flat part.", ge=0)
+    old_decay_max: float = field_(
+        0.3, "The largest d (Flow-Factory's EMA decay 0.3 reached over 1000 steps).", ge=0, le=1
+    )
+    train_adv_clip_max: float = field_(1.0, "Advantages are clipped to [-this, this].")
+    output_dir: str = field_(
+        "checkpoint/awm_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
+
+    TRAINER: ClassVar[str] = "AWM"
+
+
+_SD35M = {  # both papers' SD3.5-M setting; their rewards (GenEval, OCR) are not shipped: PickScore is
+    "pretrained_model": "stabilityai/stable-diffusion-3.5-medium",
+    "reward": "pickscore",
+    "resolution": 512,
+    "sample_guidance_scale": 1.0,
+    "lora_rank": 32,
+    "lora_alpha": 64,
+    "lora_target_modules": SD3_ATTENTION,
+    "learning_rate": 3e-4,
+    "adam_weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+    "global_std": True,
+    "mixed_precision": "bf16",
+    "num_epochs": 1000,
+    "save_freq": 30,
+    "validation_num_steps": 40,
+    "validation_guidance_scale": 1.0,
+}
+
+# The toy world (refl_ddpo.toy_world): the colour word green on toy-sd ("a green triangle" held out), CFG 7.5 in
+# sampling as in the other toy presets (the toy models draw colours poorly without it), LoRA on the text
+# cross-attention's keys and values.
+_TOY = {
+    "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
+    "reward_model_dir": str(TOY_WORLD_DIR),
+    "reward": "toy_color_match",
+    "prompt_fn": "toy_world_green",
+    "resolution": 32,
+    "sample_num_steps": 10,
+    "sample_guidance_scale": 7.5,
+    "sample_batch_size": 16,
+    "sample_num_batches_per_epoch": 2,
+    "group_size": 16,
+    "train_batch_size": 16,
+    "train_gradient_accumulation_steps": 2,
+    "lora_target_modules": ["attn2.to_k", "attn2.to_v"],
+    "learning_rate": 1e-3,
+    "num_epochs": 16,
+    "save_freq": 8,
+    "checkpoints_total_limit": 1,
+    **TOY_VALIDATION,
+}
+_TOY_SD3 = {
+    **_TOY,
+    "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
+    "lora_target_modules": ["add_k_proj", "add_v_proj"],
+}
+
+NFTConfig.PRESETS = {
+    # NVlabs/DiffusionNFT config/nft.py sd3_pickscore: 10 deterministic steps (their 2nd-order solver; ours is the
+    # family's Euler / DDIM step), CFG-free, groups of 24 from 48 prompts over 8 GPUs, beta 1, decay type 1.
+    "nft_sd35m": {
+        **_SD35M,
+        "sample_num_steps": 10,
+        "sample_batch_size": 9,
+        "sample_num_batches_per_epoch": 16,
+        "group_size": 24,
+        "train_batch_size": 9,
+        "train_gradient_accumulation_steps": 16,
+        "train_timestep_fraction": 0.99,
+        "kl_weight": 1e-4,
+        "nft_beta": 1.0,
+    },
+    "toy_world": _TOY,
+    "toy_world_sd3": _TOY_SD3,
+}
+AWMConfig.PRESETS = {
+    # X-GenGroup/Flow-Factory examples/awm/lora/sd3_5/default.yaml: 14 ODE steps, CFG-free, groups of 16 from 48
+    # prompts, ghuber weighting, clip 1, advantages clipped to 1, KL 1e-4 to the base and 1 to the EMA.
+    "awm_sd35m": {
+        **_SD35M,
+        "sample_num_steps": 14,
+        "sample_batch_size": 8,
+        "sample_num_batches_per_epoch": 12,
+        "group_size": 16,
+        "train_batch_size": 8,
+        "train_gradient_accumulation_steps": 12,
+        "train_timestep_fraction": 0.43,  # 6 of 14
+        "train_adv_clip_max": 1.0,
+        "train_clip_range": 1.0,
+        "kl_weight": 1e-4,
+        "old_kl_weight": 1.0,
+    },
+    "toy_world": _TOY,
+    "toy_world_sd3": _TOY_SD3,
+}
