@@ -1,18 +1,21 @@
 """Time-to-reward on the toy world: CPU seconds until held-out colour accuracy reaches a target, per trainer
-configuration, over several seeds.
+configuration, over several seeds, on two tasks.
 
     python benchmarks/time_to_reward.py [--out DIR] [--configs a,b,...] [--seeds 0,1,2] [--jobs N]
 
-Each run is the trainer's shell script with `--preset toy_world` (one thread, `--device cpu`, no validation) plus
-the configuration's flags, checkpointing at fixed intervals. While it runs, the CPU seconds of its process tree are
-read each time a `checkpoint-N/` appears (the folder is renamed into place once complete). Afterwards each
-checkpoint's LoRA is judged exactly as the learning tests judge a final LoRA (`toy_world.evaluate`: the 6 held-out
-prompts x 16 seeds, 20 deterministic steps, CFG 7.5). Results: `DIR/results.json` (every point), `DIR/results.md`
-(a table and a reward-vs-time chart in Mermaid, which GitHub renders), `DIR/runs/` (the runs). A finished run
-(its `points.json` present) is reused, so the work can be split over several calls.
+Tasks (TASKS): `twelve`, toy-sd on all 12 training prompts, judged on the 6 held-out colour / shape combinations x 16
+seeds; `cyan`, toy-sd3 on the colour word cyan (the one-word task GRPO learns), judged on "a cyan circle" x 64 seeds.
+Each run is the trainer's shell script with its task's preset (one thread, `--device cpu`, no validation) plus the
+configuration's flags, checkpointing at fixed intervals. While it runs, the CPU seconds of its process tree are read
+each time a `checkpoint-N/` appears (the folder is renamed into place once complete). Afterwards each checkpoint's
+LoRA is judged as the learning tests judge a final LoRA (`toy_world.evaluate_model`: 20 deterministic steps, CFG
+7.5). Results per task: `DIR/TASK/results.json` (every point), `DIR/TASK/results.md` (a table and a reward-vs-time
+chart in Mermaid, which GitHub renders), `DIR/TASK/runs/` (the runs). A finished run (its `points.json` present) is
+reused, so the work can be split over several calls.
 
-The target is the final held-out accuracy of DDPO's preset (`ddpo`), the mean over seeds, and a second one the base's
-accuracy + GAIN; each configuration's time to them is read off its seed-mean curve (linear between checkpoints).
+A task's target is the final held-out accuracy (seed mean) of its reference configuration (DDPO's preset on
+`twelve`, GRPO's on `cyan`), and a second one the base's accuracy + GAIN; each configuration's time to them is read
+off its seed-mean curve (linear between checkpoints).
 """
 
 from __future__ import annotations
@@ -25,52 +28,122 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-# name -> (script, flags, checkpoint flag and interval, what it is)
-CONFIGS: dict[str, tuple[str, list[str], list[str], str]] = {
-    "ddpo": (
+
+@dataclass(frozen=True)
+class Task:
+    what: str
+    preset: str  # every configuration of the task runs with --preset this
+    model: str  # a folder under toy_world.DATA_DIR
+    prompts: str  # the held-out prompts: a tuple's name in refl_ddpo.toy_world
+    seeds: str  # the evaluation seeds: a tuple's name in refl_ddpo.toy_world
+    target: str  # the configuration whose seed-mean final accuracy is the target
+
+
+@dataclass(frozen=True)
+class Config:
+    task: str
+    script: str
+    flags: tuple[str, ...]
+    checkpoint: tuple[str, ...]  # the checkpoint flag and its interval
+    what: str
+
+
+TASKS: dict[str, Task] = {
+    "twelve": Task(
+        "toy-sd on all 12 training prompts; the 6 held-out colour / shape combinations x 16 seeds",
+        "toy_world",
+        "toy-sd",
+        "HELDOUT_PROMPTS",
+        "EVAL_SEEDS",
+        "ddpo",
+    ),
+    "cyan": Task(
+        'toy-sd3 on the colour word cyan (its 2 training prompts); "a cyan circle" x 64 seeds',
+        "toy_world_sd3",
+        "toy-sd3",
+        "SD3_HELDOUT_PROMPTS",
+        "PROOF_EVAL_SEEDS",
+        "grpo_sd3",
+    ),
+}
+
+_TWELVE = ("--prompt_fn", "toy_world_train")
+CONFIGS: dict[str, Config] = {
+    "ddpo": Config(
+        "twelve",
         "train_ddpo.sh",
-        ["--num_epochs", "64", "--prompt_fn", "toy_world_train"],
-        ["--save_freq", "16"],
+        ("--num_epochs", "64", *_TWELVE),
+        ("--save_freq", "16"),
         (
             "DDPO, the toy_world preset on all 12 training prompts run 4x longer (64 epochs of 64 images, "
             "batch-normalised advantages, the first 4 of 6 steps trained)"
         ),
     ),
-    "grpo_window": (
+    "grpo_window": Config(
+        "twelve",
         "train_grpo.sh",
-        [
+        (
             "--num_epochs",
             "64",
             "--sde_window",
             "2",
             "--sde_window_start",
             "0",
-            "--prompt_fn",
-            "toy_world_train",
+            *_TWELVE,
             "--reward",  # as measured (the preset has added toy_clean since)
             "toy_color_match",
-        ],
-        ["--save_freq", "16"],
+        ),
+        ("--save_freq", "16"),
         "GRPO, groups of 8 with one x_T each, only the first 2 steps stochastic and trained (Flow-GRPO-Fast's window)",
     ),
-    "refl": (
+    "refl": Config(
+        "twelve",
         "train_refl_lora.sh",
-        [],
-        ["--checkpointing_steps", "40"],
+        (),
+        ("--checkpointing_steps", "40"),
         "ReFL, the toy_world preset (160 steps of 8, toy_classifier)",
     ),
-    "draft3": (
+    "draft3": Config(
+        "twelve",
         "train_refl_lora.sh",
-        ["--backprop_steps", "3", "--max_train_steps", "80", "--learning_rate", "2e-3"],
-        ["--checkpointing_steps", "20"],
+        ("--backprop_steps", "3", "--max_train_steps", "80", "--learning_rate", "2e-3"),
+        ("--checkpointing_steps", "20"),
         "DRaFT-3 (reward backprop through the last 3 of 10 steps)",
     ),
+    "nft": Config(
+        "twelve",
+        "train_nft.sh",
+        ("--num_epochs", "32", *_TWELVE),
+        ("--save_freq", "8"),
+        "DiffusionNFT, the toy_world preset on all 12 training prompts (32 epochs of 32 images)",
+    ),
+    "grpo_sd3": Config(
+        "cyan",
+        "train_grpo.sh",
+        (),
+        ("--save_freq", "2"),
+        "GRPO, the toy_world_sd3 preset (8 epochs of 64 images, the flow SDE step, groups of 8)",
+    ),
+    "nft_sd3": Config(
+        "cyan",
+        "train_nft.sh",
+        (),
+        ("--save_freq", "2"),
+        "DiffusionNFT, the toy_world_sd3 preset (clean samples of the Euler sampler, CFG 7.5)",
+    ),
+    "awm_sd3": Config(
+        "cyan",
+        "train_awm.sh",
+        (),
+        ("--save_freq", "2"),
+        "AWM, the toy_world_sd3 preset (as DiffusionNFT's, the samples from the current weights)",
+    ),
 }
-TARGET_CONFIG = "ddpo"
 GAIN = 0.10  # a second target: the base's accuracy plus this
 
 
@@ -93,18 +166,18 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
-def train(name: str, seed: int, runs: Path, python: str) -> dict:
+def train(name: str, seed: int, out: Path) -> dict:
     """One run; returns {"checkpoints": [(step, cpu_s)], "cpu_s": total} and writes RUN/points.json."""
-    run = runs / f"{name}-seed{seed}"
+    run = run_dir(out, name, seed)
     done = run / "points.json"
     if done.exists():
         return json.loads(done.read_text())
-    script, flags, ckpt, _ = CONFIGS[name]
+    config = CONFIGS[name]
     cmd = [
         "bash",
-        f"train_scripts/{script}",
+        f"train_scripts/{config.script}",
         "--preset",
-        "toy_world",
+        TASKS[config.task].preset,
         "--output_dir",
         str(run),
         "--seed",
@@ -118,10 +191,10 @@ def train(name: str, seed: int, runs: Path, python: str) -> dict:
         "--overwrite_output_dir",
         "--checkpoints_total_limit",
         "1000",
-        *flags,
-        *ckpt,
+        *config.flags,
+        *config.checkpoint,
     ]
-    env = {**os.environ, "PYTHON": python, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("NUM_PROCESSES", None)
     env.pop("GPUS", None)
     run.mkdir(parents=True, exist_ok=True)
@@ -146,21 +219,27 @@ def train(name: str, seed: int, runs: Path, python: str) -> dict:
     return result
 
 
-def judge(lora_dir: Path | None) -> float:
-    """Held-out colour accuracy of the base toy-sd plus a LoRA folder (None: the base), as the learning tests judge."""
+def judge(task: Task, lora_dir: Path | None) -> float:
+    """Held-out colour accuracy of the task's model plus a LoRA folder (None: the base), as the learning tests
+    judge."""
     import torch
 
     from refl_ddpo import toy_world
 
     torch.set_num_threads(1)
-    return toy_world.evaluate_model(lora_dir=lora_dir)["accuracy"]
+    return toy_world.evaluate_model(
+        toy_world.DATA_DIR / task.model,
+        lora_dir,
+        getattr(toy_world, task.prompts),
+        getattr(toy_world, task.seeds),
+    )["accuracy"]
 
 
-def judged(run: Path, step: int) -> float:
+def judged(task: Task, run: Path, step: int) -> float:
     cache = run / "accuracy.json"
     scores = json.loads(cache.read_text()) if cache.exists() else {}
     if str(step) not in scores:
-        scores[str(step)] = judge(run / f"checkpoint-{step}")
+        scores[str(step)] = judge(task, run / f"checkpoint-{step}")
         cache.write_text(json.dumps(scores))
     return scores[str(step)]
 
@@ -184,7 +263,9 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return None
 
 
-def report(results: dict, out: Path) -> str:
+def report(results: dict, out: Path, target_config: str) -> str:
+    """The table and chart of one task's results (`DIR/TASK/results.md`); `target_config`'s final accuracy is the
+    target."""
     base = results["base_accuracy"]
     curves = {
         name: mean_curve(
@@ -192,12 +273,12 @@ def report(results: dict, out: Path) -> str:
         )
         for name, runs in results["runs"].items()
     }
-    target = curves[TARGET_CONFIG][-1][1] if TARGET_CONFIG in curves else None
-    ref_time = curves[TARGET_CONFIG][-1][0] if TARGET_CONFIG in curves else None
+    target = curves[target_config][-1][1] if target_config in curves else None
+    ref_time = curves[target_config][-1][0] if target_config in curves else None
     headline = f"Held-out colour accuracy of the base: {base:.3f}."
     if target is not None:
         headline += (
-            f" Target: the final accuracy of `{TARGET_CONFIG}` (seed mean) = {target:.3f}, reached there after "
+            f" Target: the final accuracy of `{target_config}` (seed mean) = {target:.3f}, reached there after "
             f"{ref_time:.0f} CPU s"
             + (" (not above the base, so every configuration starts at it)." if target <= base else ".")
         )
@@ -223,7 +304,7 @@ def report(results: dict, out: Path) -> str:
         frac = f"{t / ref_time:.2f}" if t is not None and ref_time else "-"
         t_gain = time_to(curve, base + GAIN)
         lines.append(
-            f"| `{name}`: {CONFIGS[name][3]} | {len(runs)} | {sum(finals) / len(finals):.3f} ({min(finals):.3f}-"
+            f"| `{name}`: {CONFIGS[name].what} | {len(runs)} | {sum(finals) / len(finals):.3f} ({min(finals):.3f}-"
             f"{max(finals):.3f}) | {curve[-1][0]:.0f} | {'not reached' if t is None else f'{t:.0f}'} | {frac} | "
             f"{'not reached' if t_gain is None else f'{t_gain:.0f}'} |"
         )
@@ -245,7 +326,7 @@ def report(results: dict, out: Path) -> str:
         "xychart-beta",
         '    title "Held-out colour accuracy vs CPU seconds (seed mean; each line ends where its runs end)"',
         "    x-axis [" + ", ".join(f"{t:.0f}" for t in grid) + "]",
-        '    y-axis "accuracy" 0.3 --> 0.9',
+        '    y-axis "accuracy" 0 --> 1',
     ]
     for curve in curves.values():
         values = [at(curve, t) for t in grid]
@@ -277,33 +358,64 @@ def main(argv: list[str] | None = None) -> None:
     if a.jobs < 1:
         ap.error("--jobs must be >= 1")
     out = Path(a.out)
-    runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(n, s) for n in names for s in seeds]
     with ThreadPoolExecutor(a.jobs) as pool:
-        trained = dict(zip(jobs, pool.map(lambda j: train(*j, runs_dir, sys.executable), jobs), strict=False))
-    base_cache = out / "base_accuracy.json"
+        trained = dict(zip(jobs, pool.map(lambda j: train(*j, out), jobs), strict=False))
+    for task_name, task in TASKS.items():
+        # the task's configurations asked for now, and those whose runs for these seeds an earlier call finished
+        members = [
+            n
+            for n, c in CONFIGS.items()
+            if c.task == task_name
+            and (n in names or all(run_dir(out, n, s).joinpath("points.json").exists() for s in seeds))
+        ]
+        if members:
+            print(summarise(task_name, task, members, seeds, out, a.jobs, trained))
+
+
+def run_dir(out: Path, name: str, seed: int) -> Path:
+    return out / CONFIGS[name].task / "runs" / f"{name}-seed{seed}"
+
+
+def summarise(
+    task_name: str, task: Task, names: list[str], seeds: list[int], out: Path, jobs: int, trained: dict
+) -> str:
+    """Judge every checkpoint of the task's runs, write DIR/TASK/results.json and results.md; returns the table."""
+    folder = out / task_name
+    jobs_ = [(n, s) for n in names for s in seeds]
+    trained = {j: trained.get(j) or train(*j, out) for j in jobs_}  # finished runs: read back
+    base_cache = folder / "base_accuracy.json"
     if not base_cache.exists():
-        base_cache.write_text(json.dumps(judge(None)))
-    results = {"base_accuracy": json.loads(base_cache.read_text()), "configs": {}, "runs": {}}
+        base_cache.write_text(json.dumps(judge(task, None)))
+    results = {
+        "task": task.what,
+        "base_accuracy": json.loads(base_cache.read_text()),
+        "configs": {},
+        "runs": {},
+    }
 
     def judge_run(job):
-        run = runs_dir / f"{job[0]}-seed{job[1]}"
-        return [judged(run, step) for step, _ in trained[job]["checkpoints"]]
+        run = run_dir(out, *job)
+        return [judged(task, run, step) for step, _ in trained[job]["checkpoints"]]
 
-    with ThreadPoolExecutor(a.jobs) as pool:  # one run's checkpoints in order (one accuracy.json per run)
-        accuracies = dict(zip(jobs, pool.map(judge_run, jobs), strict=False))
+    with ThreadPoolExecutor(jobs) as pool:  # one run's checkpoints in order (one accuracy.json per run)
+        accuracies = dict(zip(jobs_, pool.map(judge_run, jobs_), strict=False))
     for (name, seed), tr in trained.items():
         results["runs"].setdefault(name, {})[str(seed)] = [
             {"step": step, "cpu_s": round(cpu, 1), "accuracy": acc}
             for (step, cpu), acc in zip(tr["checkpoints"], accuracies[(name, seed)], strict=False)
         ]
     results["configs"] = {
-        n: {"script": CONFIGS[n][0], "flags": CONFIGS[n][1] + CONFIGS[n][2], "what": CONFIGS[n][3]}
+        n: {
+            "script": CONFIGS[n].script,
+            "preset": task.preset,
+            "flags": [*CONFIGS[n].flags, *CONFIGS[n].checkpoint],
+            "what": CONFIGS[n].what,
+        }
         for n in names
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(report(results, out))
+    (folder / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return f"## {task_name}: {task.what}\n\n" + report(results, folder, task.target)
 
 
 if __name__ == "__main__":

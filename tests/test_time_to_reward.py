@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.time_to_reward import CONFIGS, TARGET_CONFIG, mean_curve, report, time_to, tree_cpu_seconds
+from benchmarks.time_to_reward import CONFIGS, TASKS, mean_curve, report, time_to, tree_cpu_seconds
+
+TARGET_CONFIG = TASKS["twelve"].target
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,7 +39,7 @@ def test_report_names_every_configuration_and_the_target(tmp_path):
             "1": [{"step": 40, "cpu_s": 50.0, "accuracy": 0.5}],
         },
     }
-    text = report({"base_accuracy": 0.4, "runs": runs}, tmp_path)
+    text = report({"base_accuracy": 0.4, "runs": runs}, tmp_path, TARGET_CONFIG)
     assert (tmp_path / "results.md").read_text() == text
     assert "0.450" in text and "xychart-beta" in text
     refl_row = next(line for line in text.splitlines() if line.startswith("| `refl`"))
@@ -92,6 +94,12 @@ def test_bad_flags_fail_with_one_line(argv, words, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_every_configuration_uses_a_shipped_script():
-    for script, *_ in CONFIGS.values():
-        assert (REPO / "train_scripts" / script).is_file()
+def test_every_configuration_uses_a_shipped_script_and_a_task():
+    from refl_ddpo import toy_world
+
+    for config in CONFIGS.values():
+        assert (REPO / "train_scripts" / config.script).is_file()
+        assert config.task in TASKS
+    for task in TASKS.values():
+        assert CONFIGS[task.target].task in TASKS and getattr(toy_world, task.prompts)
+        assert (toy_world.DATA_DIR / task.model).is_dir() and getattr(toy_world, task.seeds)
