@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,6 +245,10 @@ def judged(task: Task, run: Path, step: int) -> float:
     return scores[str(step)]
 
 
+def judge_run(task: Task, run: Path, steps: list[int]) -> list[float]:
+    return [judged(task, run, step) for step in steps]
+
+
 def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
     """Seed-mean (cpu_s, accuracy) at each checkpoint index (runs of one configuration checkpoint at the same steps)."""
     n = min(len(c) for c in curves)
@@ -394,12 +399,12 @@ def summarise(
         "runs": {},
     }
 
-    def judge_run(job):
-        run = run_dir(out, *job)
-        return [judged(task, run, step) for step, _ in trained[job]["checkpoints"]]
-
-    with ThreadPoolExecutor(jobs) as pool:  # one run's checkpoints in order (one accuracy.json per run)
-        accuracies = dict(zip(jobs_, pool.map(judge_run, jobs_), strict=False))
+    # one run's checkpoints in order (one accuracy.json per run), a process per run at a time: loading models in
+    # threads of one process is not safe (meta-device initialisation is process-wide)
+    runs = [run_dir(out, *job) for job in jobs_]
+    steps = [[step for step, _ in trained[job]["checkpoints"]] for job in jobs_]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        accuracies = dict(zip(jobs_, pool.map(judge_run, [task] * len(runs), runs, steps), strict=True))
     for (name, seed), tr in trained.items():
         results["runs"].setdefault(name, {})[str(seed)] = [
             {"step": step, "cpu_s": round(cpu, 1), "accuracy": acc}
