@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.time_to_reward import CONFIGS, TASKS, mean_curve, report, time_to, tree_cpu_seconds
+from benchmarks.time_to_reward import (
+    CONFIGS,
+    TASKS,
+    mean_curve,
+    report,
+    summarise,
+    time_to,
+    tree_cpu_seconds,
+)
 
 TARGET_CONFIG = TASKS["twelve"].target
 
@@ -49,6 +57,25 @@ def test_report_names_every_configuration_and_the_target(tmp_path):
     assert "| not reached |" in next(
         line for line in text.splitlines() if line.startswith(f"| `{TARGET_CONFIG}`")
     )
+
+
+def test_summarise_keeps_the_runs_an_earlier_call_recorded(tmp_path):
+    """results.json keeps a configuration whose run folders are gone (runs/ is not committed), with its flags as run
+    then, and the base accuracy it recorded; nothing is trained or judged."""
+    import json
+
+    folder = tmp_path / "twelve"
+    folder.mkdir()
+    earlier = {
+        "base_accuracy": 0.4,
+        "configs": {TARGET_CONFIG: {"script": "train_ddpo.sh", "flags": ["--as-run-then"], "what": "then"}},
+        "runs": {TARGET_CONFIG: {"0": [{"step": 16, "cpu_s": 100.0, "accuracy": 0.45}]}},
+    }
+    (folder / "results.json").write_text(json.dumps(earlier))
+    text = summarise("twelve", TASKS["twelve"], [], [0], tmp_path, 1, {})
+    kept = json.loads((folder / "results.json").read_text())
+    assert kept["runs"] == earlier["runs"] and kept["configs"] == earlier["configs"]
+    assert kept["base_accuracy"] == 0.4 and "0.450" in text
 
 
 def test_tree_cpu_seconds_counts_children():
