@@ -62,6 +62,30 @@ def test_nft_loss_in_x0_space_equals_the_velocity_space_definition(beta):
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["0", "1", "2"])
+def test_nft_loss_matches_the_reference_codes_numbers(case):
+    """tests/fixtures/nft_ref.safetensors: NVlabs/DiffusionNFT's own loss lines run on tiny inputs
+    (tests/fixtures/make_nft_ref.py), beta 1 / 0.1 / 1 and adv_clip_max 5 / 5 / 1; the loss and its gradient with
+    respect to the network's velocity, to 1e-5."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    ref = {
+        k.split("/", 1)[1]: v
+        for k, v in load_file(Path(__file__).parent / "fixtures" / "nft_ref.safetensors").items()
+        if k.startswith(case + "/")
+    }
+    beta, c = float(ref["beta"]), float(ref["adv_clip_max"])
+    s = ref["t"].view(-1, 1, 1, 1)
+    v = ref["v"].clone().requires_grad_()
+    r = optimality_probability(ref["advantages"], c)
+    loss, _ = nft_loss(ref["xt"] - s * v, ref["xt"] - s * ref["v_old"], ref["x0"], r, beta, c)
+    (grad,) = torch.autograd.grad(loss, v)
+    torch.testing.assert_close(loss.double(), ref["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref["grad_v"], rtol=1e-5, atol=1e-6)
+
+
 def test_on_policy_nft_gradient_is_the_advantage_weighted_denoising_gradient():
     """At theta = old, x0+ = x0- = x0_old: d loss / d x0_theta = c (2r - 1) 2 (x0_theta - x0) / (w n B) per sample,
     with 2r - 1 = A / c: the advantage A weights the gradient of the (adaptively weighted) denoising loss."""
