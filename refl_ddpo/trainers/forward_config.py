@@ -151,16 +151,18 @@ _SD35M = {  # both papers' SD3.5-M setting; their rewards (GenEval, OCR) are not
 
 # The toy world (refl_ddpo.toy_world): one colour word, as GRPO's and DDPO's toy presets (toy-sd: green, "a green
 # triangle" held out; toy-sd3: cyan, "a cyan circle"), LoRA on the text attention's keys and values. Measured with
-# NFT on toy-sd3 (seed 42, 1 thread; held-out accuracy from 0.234; docs/trainers.md): this recipe 0.844 in 8 epochs
-# (74 CPU s); with 2 inner epochs, every timestep trained, advantages clipped to 5 and KL 1e-4 0.422 (243 CPU s);
-# lr 3e-3 0.656; never training the last 1 / 2 / 3 steps 0.797 / 0.859 / 0.844 (3 is the cheapest); sampled at
-# CFG 1 0.375, at CFG 3 / 4.5 worse than at 7.5 after 4 epochs (0.375 / 0.359 / 0.578): the toy models draw
-# colours poorly without CFG. Advantages clipped to 1 make r 0 or 1 for most samples of a binary reward; the KL to
-# the base is off (its forward pass costs a quarter of training).
+# NFT on toy-sd3 (1 thread; held-out accuracy from 0.234; docs/trainers.md): this recipe 0.922 / 0.875 / 0.922 in 8
+# epochs (seeds 0 / 1 / 42, 71-73 CPU s), the shapes kept. With the colour reward alone (no toy_clean) 0.719 / 0.844
+# (seeds 0 / 42) and seed 0 grew the shapes (grey 0.624 -> 0.473): toy_clean's continuous reward leaves no group
+# with all-equal rewards and docks the frame-filling samples. Seed 42, colour reward alone: with 2 inner epochs,
+# every timestep trained, advantages clipped to 5 and KL 1e-4 0.422 (243 CPU s); lr 3e-3 0.656; never training the
+# last 1 / 2 / 3 steps 0.797 / 0.859 / 0.844 (3 is the cheapest); sampled at CFG 1 0.375, at CFG 3 / 4.5 worse than
+# at 7.5 after 4 epochs (0.375 / 0.359 / 0.578): the toy models draw colours poorly without CFG; a KL of weight 1 to
+# the base (seed 0) 0.344. Advantages clipped to 1 make r 0 or 1 for most samples.
 _TOY = {
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
     "reward_model_dir": str(TOY_WORLD_DIR),
-    "reward": "toy_color_match",
+    "reward": "toy_color_match:1,toy_clean:1",
     "prompt_fn": "toy_world_green",
     "resolution": 32,
     "sample_num_steps": 10,
