@@ -157,6 +157,7 @@ def test_nft_resume_after_a_killed_run_gives_the_bit_identical_lora(two_process_
         ("nft", ("--train_timestep_fraction", "0.05"), "trains on no step"),
         ("awm", ("--awm_weighting", "huber"), "invalid choice"),
         ("nft", ("--nft_beta", "0"), "--nft_beta must be"),
+        ("awm", ("--same_noise_per_group",), "draws the same image 8 times"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line_before_loading(tmp_path, algo, extra, says):

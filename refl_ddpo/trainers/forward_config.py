@@ -65,6 +65,11 @@ class ForwardConfig(GroupConfig):
     TRAINER: ClassVar[str] = "NFT"
 
     def _check_objective(self) -> None:
+        if self.same_noise_per_group:
+            raise UserError(
+                f"--same_noise_per_group with {self.TRAINER}'s deterministic sampler draws the same image "
+                f"{self.group_size} times per group (all advantages 0): drop it."
+            )
         if self.kl_weight > 0 and not self.use_lora:
             raise UserError(
                 f"--kl_weight needs --use_lora: the base model is the network with the LoRA switched off; use "
