@@ -120,14 +120,14 @@ CONFIGS: dict[str, Config] = {
         "twelve",
         "train_nft.sh",
         ("--num_epochs", "32", *_TWELVE, "--group_size", "4", "--sample_num_batches_per_epoch", "3"),
-        ("--save_freq", "8"),
+        ("--save_freq", "16"),
         "DiffusionNFT, the toy_world preset on all 12 training prompts (32 epochs of 12 groups of 4 clean samples)",
     ),
     "awm": Config(
         "twelve",
         "train_awm.sh",
         ("--num_epochs", "32", *_TWELVE, "--group_size", "4", "--sample_num_batches_per_epoch", "3"),
-        ("--save_freq", "8"),
+        ("--save_freq", "16"),
         "AWM, the toy_world preset on all 12 training prompts (as `nft`, the samples from the current weights)",
     ),
     "grpo_sd3": Config(
