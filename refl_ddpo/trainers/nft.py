@@ -29,6 +29,7 @@ The old policy's weights (a copy of the trainable tensors) are saved in checkpoi
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -285,8 +286,9 @@ class ForwardProcess(EpochAlgorithm):
         """Anything computed once per micro-batch before its first update (AWM: the old log-likelihoods)."""
         return None
 
+    @abstractmethod
     def draw_loss(self, run: Run, batch: dict, cond, draw: Draw, prepared: Any) -> tuple[torch.Tensor, dict]:
-        raise NotImplementedError
+        """The loss of one trained timestep of a micro-batch and its detached parts to log (NFT, AWM)."""
 
 
 class NFT(ForwardProcess):
