@@ -48,6 +48,17 @@ def wrap_words(text: str, width: float, measure, max_lines: int | None = None) -
     return lines
 
 
+MAX_GRID_COLUMNS = 8  # a grid wider than this wraps into rows
+
+
+def grid_columns(cols: int, max_cols: int = MAX_GRID_COLUMNS) -> int:
+    """`cols` wrapped to at most `max_cols` columns: the largest divisor of `cols` from `max_cols` down to half of
+    it (16 images of a prompt -> two rows of 8: a prompt's images stay on whole rows), else `max_cols`."""
+    if cols <= max_cols:
+        return max(1, cols)
+    return next((d for d in range(max_cols, max_cols // 2 - 1, -1) if cols % d == 0), max_cols)
+
+
 def caption_grid(
     images: torch.Tensor | list[torch.Tensor],
     captions: list[str],
@@ -56,12 +67,12 @@ def caption_grid(
     caption_lines: int = 2,
 ) -> torch.Tensor:
     """(3, H, W) uint8 grid: each image (3, h, w) in [0, 1] resized to `cell` px with its caption under it, wrapped
-    at words on up to `caption_lines` lines."""
+    at words on up to `caption_lines` lines; `cols` per row, wrapped by `grid_columns` (at most 8)."""
     from PIL import Image, ImageDraw
     from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
     n = len(images)
-    cols = min(cols, n)
+    cols = min(grid_columns(cols), n)
     rows = (n + cols - 1) // cols
     face = font(10)
     line_h = 12

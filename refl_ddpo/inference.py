@@ -227,7 +227,8 @@ def _save_grid(
     grid = caption_grid(
         torch.stack(grid_images).permute(0, 3, 1, 2).float() / 255,
         captions,
-        cols=per_prompt if per_prompt > 1 else 4,
+        # a prompt's images on whole rows (at most 8 a row), else a near-square grid
+        cols=per_prompt if per_prompt > 1 else math.ceil(math.sqrt(len(grid_images))),
         caption_lines=1 + len(names) if len(names) > 1 else 2,
     )
     Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
