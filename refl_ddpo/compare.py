@@ -3,7 +3,9 @@ CI, a side-by-side picture, for every reward both runs scored. `inference/compar
 
 compare.json keeps the first shared reward's statistics at its top (as when ImageReward was the only score) and
 every shared reward's under "per_reward"; compare.png has a header with each reward's means, difference, 95 % CI and
-win rate, then before | after per pair with the pair's scores and delta under it.
+win rate, then before | after per pair (the first seeds of every prompt) with the pair's scores and delta under it.
+Runs scored with toy_color_match are of the toy world: its judge's colour accuracy, grey, dirty and ragged fractions
+before -> after head the picture and go to compare.json's "toy_judge", each pair's judgement under its images.
 
     python inference/compare.py outputs/base outputs/lora [--out outputs/compare]
 """
@@ -16,6 +18,7 @@ import math
 import os
 from pathlib import Path
 
+from refl_ddpo.compare_judge import judged, toy_judgement
 from refl_ddpo.compare_picture import compare_picture
 from refl_ddpo.errors import UserError, cli_main, read_utf8
 from refl_ddpo.images import write_json_atomic
@@ -266,6 +269,21 @@ def format_comparison(result: dict, before_name: str, after_name: str) -> str:
     return "\n".join(lines)
 
 
+def shown_pairs(pairs: list[dict], max_pairs: int) -> list[dict]:
+    """The pairs compare.png shows: all when at most `max_pairs`; else the first `max_pairs // prompts` seeds of
+    every prompt (at least one each, in the runs' order), so that every prompt is shown. 0: none."""
+    if len(pairs) <= max_pairs or max_pairs == 0:
+        return pairs[:max_pairs]
+    each = max(1, max_pairs // len({pair["prompt"] for pair in pairs}))
+    taken: dict[str, int] = {}
+    shown = []
+    for pair in pairs:
+        if taken.get(pair["prompt"], 0) < each:
+            taken[pair["prompt"]] = taken.get(pair["prompt"], 0) + 1
+            shown.append(pair)
+    return shown
+
+
 def run_compare(
     before_dir: str,
     after_dir: str,
@@ -296,10 +314,12 @@ def run_compare(
                 raise UserError(
                     f"{Path(run_dir) / pair[key]} is listed in {SCORES_FILE} but missing; run it again."
                 )
+    if judged(result["rewards"]):
+        result["toy_judge"] = toy_judgement(before_dir, after_dir, result["pairs"])
     out = check_output_dir(out_dir or str(Path(after_dir).resolve().parent / "compare"))
     (out / COMPARE_JSON).unlink(missing_ok=True)
 
-    shown = result["pairs"][:max_pairs]
+    shown = shown_pairs(result["pairs"], max_pairs)
     if shown:
         cells = []
         for pair in shown:
@@ -308,8 +328,9 @@ def run_compare(
                     cells.append(im.convert("RGB"))  # sizes may differ: each is resized to the cell
         title = f"before: {before_dir}  |  after: {after_dir}"
         if len(shown) < len(result["pairs"]):
-            title += f"  ({len(shown)} of {len(result['pairs'])} pairs shown)"
-        compare_picture(result, cells, title).save(out / COMPARE_PNG)
+            prompts = len({pair["prompt"] for pair in shown})
+            title += f"  ({len(shown)} of {len(result['pairs'])} pairs shown, of all {prompts} prompts)"
+        compare_picture(result, cells, title, shown).save(out / COMPARE_PNG)
     write_json_atomic(out / COMPARE_JSON, result)
     print(format_comparison(result, "before", "after"), flush=True)
     print(f"wrote {out / COMPARE_PNG if shown else '(no image)'} and {out / COMPARE_JSON}", flush=True)
@@ -336,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_pairs",
         type=int,
         default=32,
-        help="compare.png shows the first this-many pairs (default 32; 0: no image).",
+        help="compare.png shows at most this many pairs, the first seeds of every prompt (default 32; at least "
+        "one pair per prompt; 0: no image).",
     )
     return parser
 

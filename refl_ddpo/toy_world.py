@@ -300,13 +300,7 @@ def evaluate(
     all_prompts = [p for p in prompts for _ in seeds]
     all_seeds = [s for _ in prompts for s in seeds]
     images = generate_batch(family, all_prompts, all_seeds, SIZE, num_inference_steps, guidance_scale)
-    result = judge(images, all_prompts)
-    return {
-        "accuracy": float(result["colour_ok"].float().mean()),
-        "dirty": float(result["dirty"].float().mean()),
-        "grey": float(result["grey"].mean()),
-        "ragged": float(result["ragged"].mean()),
-    }
+    return judge_means(judge(images, all_prompts))
 
 
 def evaluate_model(
@@ -328,31 +322,39 @@ def evaluate_model(
     return evaluate(family, prompts, seeds)
 
 
-def judge_run(run_dir: str | Path) -> dict[str, float]:
-    """Colour accuracy, dirty and grey fractions of an inference run folder (its scores.json records and PNGs), and
-    `by_prompt`: {prompt: (right, images)} in the run's order."""
+def judge_files(paths: list[Path], prompts: list[str]) -> dict:
+    """`judge` of PNG files (one per prompt), as an inference run wrote them."""
     import numpy as np
     from PIL import Image
 
-    run = json.loads((Path(run_dir) / "scores.json").read_text())
-    prompts, images = [], []
-    for record in run["records"]:
-        with Image.open(Path(run_dir) / record["file"]) as im:
+    images = []
+    for path in paths:
+        with Image.open(path) as im:
             images.append(torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1))
-        prompts.append(record["prompt"])
-    result = judge(torch.stack(images).float() / 255, prompts)
-    by_prompt: dict[str, tuple[int, int]] = {}
-    for prompt, ok in zip(prompts, result["colour_ok"].tolist(), strict=True):
-        right, n = by_prompt.get(prompt, (0, 0))
-        by_prompt[prompt] = (right + int(ok), n + 1)
+    return judge(torch.stack(images).float() / 255, prompts)
+
+
+def judge_means(result: dict) -> dict[str, float]:
+    """The means of a `judge` result: colour accuracy and the dirty, grey and ragged fractions."""
     return {
-        "images": len(prompts),
-        "by_prompt": by_prompt,
         "accuracy": float(result["colour_ok"].float().mean()),
         "dirty": float(result["dirty"].float().mean()),
         "grey": float(result["grey"].mean()),
         "ragged": float(result["ragged"].mean()),
     }
+
+
+def judge_run(run_dir: str | Path) -> dict[str, float]:
+    """Colour accuracy, dirty, grey and ragged fractions of an inference run folder (its scores.json records and
+    PNGs), and `by_prompt`: {prompt: (right, images)} in the run's order."""
+    run = json.loads((Path(run_dir) / "scores.json").read_text())
+    prompts = [record["prompt"] for record in run["records"]]
+    result = judge_files([Path(run_dir) / record["file"] for record in run["records"]], prompts)
+    by_prompt: dict[str, tuple[int, int]] = {}
+    for prompt, ok in zip(prompts, result["colour_ok"].tolist(), strict=True):
+        right, n = by_prompt.get(prompt, (0, 0))
+        by_prompt[prompt] = (right + int(ok), n + 1)
+    return {"images": len(prompts), "by_prompt": by_prompt, **judge_means(result)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -118,6 +118,77 @@ def test_compare_png_has_a_header_and_a_caption_per_pair(tmp_path):
     assert im.shape[1] == 2 * 2 * 192
 
 
+def _write_toy_run(folder: Path, rows: list[tuple[str, int]], drawn: list[str]) -> None:
+    """An inference run folder of the toy world: per (prompt, seed) row an image rendered for `drawn` (the prompt's
+    colour or another), scored by toy_color_match."""
+    from refl_ddpo import toy_world as tw
+
+    images = tw.render_prompts(drawn, torch.Generator().manual_seed(0))  # uint8 (B, 3, 32, 32)
+    scored = [(p, s, {"toy_color_match": float(p == d)}) for (p, s), d in zip(rows, drawn, strict=True)]
+    run = _run(scored, ("toy_color_match",))
+    folder.mkdir(parents=True)
+    for rec, image in zip(run["records"], images, strict=True):
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(folder / rec["file"])
+    (folder / "scores.json").write_text(json.dumps(run))
+
+
+def test_compare_png_of_the_toy_world_states_the_judge_and_every_prompt(tmp_path):
+    """demo.sh's comparison: 6 held-out prompts x 8 seeds, more pairs than --max_pairs 32. The header states the
+    judge's colour accuracy, grey, dirty and ragged before -> after (python -m refl_ddpo.toy_world's numbers),
+    every prompt is shown, each caption carries the pair's judgement."""
+    from refl_ddpo import toy_world as tw
+    from refl_ddpo.compare_picture import caption_lines
+
+    prompts = list(tw.HELDOUT_PROMPTS)
+    rows = [(p, s) for p in prompts for s in range(8)]
+    # before: the first 4 seeds of every prompt drawn in another colour (red, or blue for red prompts)
+    wrong = [p.replace(p.split()[1], "blue" if "red" in p else "red") for p, _ in rows]
+    before = [w if s < 4 else p for (p, s), w in zip(rows, wrong, strict=True)]
+    _write_toy_run(tmp_path / "base", rows, before)
+    _write_toy_run(tmp_path / "lora", rows, [p for p, _ in rows])
+    result = compare.run_compare(str(tmp_path / "base"), str(tmp_path / "lora"), str(tmp_path / "cmp"), 200)
+
+    b, a = tw.judge_run(tmp_path / "base"), tw.judge_run(tmp_path / "lora")
+    assert (b["accuracy"], a["accuracy"]) == (0.5, 1.0)
+    header = header_lines(result)[0]
+    print(header)
+    assert header == (
+        f"toy judge over 48 pairs: colour accuracy 50.0% -> 100.0%, grey {b['grey']:.3f} -> {a['grey']:.3f}, "
+        f"dirty {b['dirty']:.3f} -> {a['dirty']:.3f}, ragged {b['ragged']:.3f} -> {a['ragged']:.3f}"
+    )
+    assert header_lines(result)[1].startswith("toy_color_match: before 0.500, after 1.000")
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert saved["toy_judge"]["before"] == {k: b[k] for k in ("accuracy", "dirty", "grey", "ragged")}
+
+    shown = compare.shown_pairs(result["pairs"], 32)
+    assert len(shown) == 30 and {p["prompt"] for p in shown} == set(prompts)  # 5 seeds of each of the 6
+    assert [p["seed"] for p in shown[:5]] == [0, 1, 2, 3, 4]
+    first = [text for text, _ in caption_lines(shown[0], 10_000, len)]
+    red_or_blue = "blue" if "red" in shown[0]["prompt"] else "red"
+    assert first[0] == f"{shown[0]['prompt']} (seed 0)"
+    assert first[-2].startswith(f"judge before: {red_or_blue}, wrong; grey ")
+    assert first[-1].startswith(f"judge after: {shown[0]['prompt'].split()[1]}, right; grey ")
+    with Image.open(tmp_path / "cmp" / "compare.png") as im:  # 4 pairs a row, 8 rows for 30 pairs
+        assert im.width == 4 * 2 * 192 and im.height > 8 * 192
+    assert compare.shown_pairs(result["pairs"], 4) == [result["pairs"][8 * i] for i in range(6)]  # one each
+    assert compare.shown_pairs(result["pairs"], 0) == []
+
+
+def test_grids_wrap_into_rows(tmp_path):
+    """A prompt's 16 images make two rows of 8 in grid.png, not one row of 16 (SD3's 4096 x 284 grid)."""
+    from refl_ddpo.images import grid_columns
+
+    assert [grid_columns(c) for c in (1, 4, 8, 9, 12, 16, 64)] == [1, 4, 8, 8, 6, 8, 8]
+    records = [{"prompt": "a cyan circle", "seed": s, "toy_color_match": 1.0} for s in range(16)]
+    images = [torch.full((32, 32, 3), 128, dtype=torch.uint8)] * 16
+    inference._save_grid(tmp_path / "grid.png", images, records, ["toy_color_match"], per_prompt=16)
+    with Image.open(tmp_path / "grid.png") as im:
+        assert im.width == 8 * 256 and 2 * 256 < im.height < 3 * 256
+    inference._save_grid(tmp_path / "single.png", images, records, ["toy_color_match"], per_prompt=1)
+    with Image.open(tmp_path / "single.png") as im:  # one image per prompt: near square, 4 x 4
+        assert im.width == 4 * 256 and 4 * 256 < im.height < 5 * 256
+
+
 # ---- inference with several rewards ----
 
 
