@@ -55,5 +55,6 @@ GEN_SD3=(--prompts_file "$OUT/cyan_held_out.txt" --num_images_per_prompt 16 --re
 "$PYTHON" inference/compare.py "$OUT/base_sd3" "$OUT/ddpo" --out "$OUT/compare_ddpo"
 "$PYTHON" -m refl_ddpo.toy_world "$OUT/base" "$OUT/refl" "$OUT/base_sd3" "$OUT/ddpo"
 
-echo "== done. Look at $OUT/compare_refl/compare.png and $OUT/compare_ddpo/compare.png (before | after), and"
+echo "== done. Look at $OUT/compare_refl/compare.png and $OUT/compare_ddpo/compare.png (before | after, headed by"
+echo "   the judge's colour accuracy, grey and dirty fractions before -> after, every prompt shown), and"
 echo "   tensorboard --logdir $OUT"
