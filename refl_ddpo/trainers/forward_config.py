@@ -156,7 +156,7 @@ _SD35M = {  # both papers' SD3.5-M setting; their rewards (GenEval, OCR) are not
 
 # The toy world (refl_ddpo.toy_world): one colour word, as GRPO's and DDPO's toy presets (toy-sd: green, "a green
 # triangle" held out; toy-sd3: cyan, "a cyan circle"), LoRA on the text attention's keys and values. Measured with
-# NFT on toy-sd3 (1 thread; held-out accuracy from 0.234; docs/trainers.md): this recipe 0.922 / 0.875 / 0.922 in 8
+# NFT on toy-sd3 (1 thread; held-out accuracy from 0.234; docs/trainers/nft_awm.md): this recipe 0.922 / 0.875 / 0.922 in 8
 # epochs (seeds 0 / 1 / 42, 71-73 CPU s), the shapes kept. With the colour reward alone (no toy_clean) 0.719 / 0.844
 # (seeds 0 / 42) and seed 0 grew the shapes (grey 0.624 -> 0.473): toy_clean's continuous reward leaves no group
 # with all-equal rewards and docks the frame-filling samples. Seed 42, colour reward alone: with 2 inner epochs,
