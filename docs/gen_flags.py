@@ -106,6 +106,18 @@ COMMANDS = (
 )
 
 
+# each command's guide (under docs/): its method, presets and logged metrics, or how to use it
+GUIDES = {
+    "refl": ("ReFL, DRaFT, AlignProp", "trainers/refl.md"),
+    "ddpo": ("DDPO", "trainers/ddpo.md"),
+    "grpo": ("GRPO", "trainers/grpo.md"),
+    "nft": ("DiffusionNFT and AWM", "trainers/nft_awm.md"),
+    "awm": ("DiffusionNFT and AWM", "trainers/nft_awm.md"),
+    "inference": ("Inference", "inference.md"),
+    "inference_lora": ("Inference", "inference.md"),
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the shell scripts' defaults
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,6 +248,11 @@ def page(cmd: Command) -> str:
         f"Values come in layers, each overriding the one before: the defaults below, {layers}`--config FILE` "
         "(yaml or json), then the flags you type ([Layout](../layout.md))."
     )
+    name, guide = GUIDES[cmd.page]
+    what = (
+        "the method, the presets and the logged metrics" if guide.startswith("trainers/") else "how to use it"
+    )
+    run_line += f" For {what}, see [{name}](../{guide})."
     lines = [
         f"# {cmd.title}: flags",
         "",
