@@ -99,7 +99,7 @@ def _ddpo_setup(b: Bench):
         base_unet, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
     )
     b.finish(unet, family.vae)
-    uncond, _ = family.encode_prompts([""], with_negative=False)
+    uncond = family.empty_cond()
     return config, family, scheduler, unet, optimizer, params, uncond
 
 
