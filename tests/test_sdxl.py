@@ -322,16 +322,24 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
     assert "| model family | Stable Diffusion XL" in card and "stable-diffusion-xl" in card
 
 
-def test_draft_k_runs_two_steps(tiny_models, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "flags, described",
+    [
+        (["--backprop_steps", "2"], "DRaFT-2"),
+        (["--backprop_steps", "random:1-2"], "AlignProp"),
+        (["--backprop_steps", "1", "--draft_lv", "2"], "DRaFT-LV"),
+    ],
+)
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
     from refl_ddpo.trainers import refl
 
     out = tmp_path / "draft"
     argv = trainer_flags(
         tiny_models,
         out,
+        *flags,
         model="tiny-sdxl",
         num_inference_steps=4,
-        backprop_steps=2,
         scheduler="ddim",
         train_batch_size=1,
         learning_rate="3e-2",
@@ -341,7 +349,7 @@ def test_draft_k_runs_two_steps(tiny_models, tmp_path, capsys):
         report_to="none",
     )
     refl.main(argv)
-    assert "reward backprop: DRaFT-2" in capsys.readouterr().out
+    assert described in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
 
 
