@@ -54,6 +54,15 @@ def test_load_family_picks_sdxl_from_model_index(tiny_sdxl):
     assert half.network.dtype == torch.float16 and half.vae.dtype == torch.float32
 
 
+def test_a_guidance_distilled_unet_is_refused_in_one_line(tiny_sdxl):
+    from refl_ddpo.errors import UserError
+
+    pipe = _stock(tiny_sdxl)
+    pipe.unet.register_to_config(time_cond_proj_dim=8)  # as LCM-distilled SDXL UNets have
+    with pytest.raises(UserError, match="guidance embedding"):
+        StableDiffusionXL(pipe)
+
+
 def test_encode_prompts_equal_the_stock_encode_prompt(stock):
     family = StableDiffusionXL(stock)
     cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
