@@ -330,6 +330,21 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
     card = (out / CARD_NAME).read_text()
     assert "| model family | Stable Diffusion XL" in card and "stable-diffusion-xl" in card
 
+    # before / after inference with its scores, and the scored comparison, on this LoRA
+    import json
+
+    from refl_ddpo import compare, inference
+
+    common = ["--prompts_file", str(prompts_file), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
+    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2"]
+    inference.main_base(
+        ["--pretrained_model", str(tiny_sdxl), "--output_dir", str(tmp_path / "before"), *common]
+    )
+    inference.main_lora(["--lora_dir", str(out), "--output_dir", str(tmp_path / "after"), *common])
+    compare.run_compare(str(tmp_path / "before"), str(tmp_path / "after"), str(tmp_path / "cmp"))
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert result["count"] == 2 and result["mean_difference"] != 0
+
 
 @pytest.mark.parametrize(
     "flags, described",
