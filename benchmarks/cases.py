@@ -23,16 +23,16 @@ class Case:
     setup: Callable[[Bench], tuple[Callable[[], torch.Tensor], dict]]
 
 
-def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
+def refl_case(mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = False) -> Case:
     """One optimizer step of refl_ddpo.trainers.refl (its inner loop without logging), k fixed. `sd3_t5` not None:
-    on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5."""
+    on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5; `sdxl`: on SDXL base 1.0."""
 
     def setup(b: Bench):
         from refl_ddpo.backprop import draft_step, refl_step
 
         if sd3_t5 is None:
-            base_unet, params = b.trainable_unet(mode)
-            family = b.family(base_unet)
+            base_unet, params = b.trainable_unet(mode, name="sdxl_unet" if sdxl else "unet")
+            family = b.sdxl_family(base_unet) if sdxl else b.family(base_unet)
             # the ReFL trainer's default rollout sampler (ReFL.py's)
             scheduler = family.scheduler("DDPMScheduler")
         else:
@@ -76,6 +76,9 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None) -> Case:
 
         return run, {"unet": base_unet, "vae": family.vae, "reward": reward_model}
 
+    if sdxl:
+        settings = {"mode": mode, "batch": batch, "model": "sdxl-base-1.0"}
+        return Case(f"sdxl_refl {mode} b{batch}", "sdxl_refl", "optimizer step", batch, settings, setup)
     if sd3_t5 is None:
         return Case(
             f"refl {mode} b{batch}", "refl", "optimizer step", batch, {"mode": mode, "batch": batch}, setup
@@ -99,7 +102,7 @@ def _ddpo_setup(b: Bench):
         base_unet, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
     )
     b.finish(unet, family.vae)
-    uncond, _ = family.encode_prompts([""], with_negative=False)
+    uncond = family.empty_cond()
     return config, family, scheduler, unet, optimizer, params, uncond
 
 
@@ -294,10 +297,12 @@ def make_cases(cfg: BenchConfig) -> list[Case]:
                 for m in cfg.refl_modes
                 for bs in cfg.refl_batch_sizes
             ]
+        elif bench == "sdxl_refl":
+            cases += [refl_case(m, bs, sdxl=True) for m in cfg.refl_modes for bs in cfg.refl_batch_sizes]
         elif bench == "forward":
             cases += [forward_case(n) for n in ("unet", "vae", "text_encoder", "reward")]
     for case in cases:  # the step counts of this config, for the JSON
-        if case.bench in ("refl", "sd35m_refl"):
+        if case.bench in ("refl", "sd35m_refl", "sdxl_refl"):
             case.settings.update(
                 steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm"
             )

@@ -412,6 +412,14 @@ def memory_table(results: dict) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
+ARCHITECTURES = {"sd35m_refl": "SD3.5 Medium", "sdxl_refl": "SDXL base 1.0"}  # the rest: SD v1.5
+
+
+def architectures(cases: list[str]) -> str:
+    """The real architectures these cases count, e.g. "SDXL base 1.0 architecture"."""
+    return " + ".join(sorted({ARCHITECTURES.get(c, "SD v1.5") for c in cases})) + " architecture"
+
+
 def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
     """--memory_only: every case's peak device memory, counted on the meta device."""
     out = Path(cfg.out)
@@ -421,7 +429,7 @@ def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
     results = {
         "meta": {
             "command": " ".join(["python benchmarks/bench.py", *argv]),
-            "models": "tiny (refl_ddpo.tiny)" if cfg.tiny else "SD v1.5 architecture",
+            "models": "tiny (refl_ddpo.tiny)" if cfg.tiny else architectures(cfg.cases),
             "dtype": cfg.dtype,
             "resolution": cfg.resolution or (32 if cfg.tiny else 512),
             "gradient_checkpointing": cfg.gradient_checkpointing,

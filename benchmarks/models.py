@@ -40,6 +40,21 @@ SD3_TINY_FOLDERS = {
     "sd3_t5": "text_encoder_3",
 }
 
+# SDXL base 1.0 (stabilityai/stable-diffusion-xl-base-1.0): UNet with the pooled text and time ids (2.57 B
+# parameters), VAE (4 channels, scaling 0.13025), CLIP-L and CLIP-G with projection.
+SDXL_CONFIG_FILES = {
+    "sdxl_unet": "sdxl_unet.json",
+    "sdxl_vae": "sdxl_vae.json",
+    "sdxl_clip_l": "sdxl_text_encoder.json",
+    "sdxl_clip_g": "sdxl_text_encoder_2.json",
+}
+SDXL_TINY_FOLDERS = {
+    "sdxl_unet": "unet",
+    "sdxl_vae": "vae",
+    "sdxl_clip_l": "text_encoder",
+    "sdxl_clip_g": "text_encoder_2",
+}
+
 
 def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
@@ -80,18 +95,28 @@ def sd3_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
     return {name: _read_json(folder / sub / "config.json") for name, sub in SD3_TINY_FOLDERS.items()}
 
 
+def sdxl_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
+    """SDXL base 1.0's configs kept in benchmarks/configs, or those of refl_ddpo.testing.tiny's tiny SDXL."""
+    if not tiny:
+        return {name: _read_json(CONFIG_DIR / f) for name, f in SDXL_CONFIG_FILES.items()}
+    from refl_ddpo.testing.tiny import write_tiny_stable_diffusion_xl
+
+    folder = write_tiny_stable_diffusion_xl(workdir)
+    return {name: _read_json(folder / sub / "config.json") for name, sub in SDXL_TINY_FOLDERS.items()}
+
+
 def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
     """One model with freshly initialised random weights, on the current default device (a `torch.device` context:
     meta for counting parameters, the GPU to skip a slow CPU init). `tokenizer`: ImageReward's BERT tokenizer."""
-    if name == "unet":
+    if name in ("unet", "sdxl_unet"):
         from diffusers import UNet2DConditionModel
 
         return UNet2DConditionModel.from_config(config)
-    if name == "vae":
+    if name in ("vae", "sdxl_vae"):
         from diffusers import AutoencoderKL
 
         return AutoencoderKL.from_config(config)
-    if name == "text_encoder":
+    if name in ("text_encoder", "sdxl_clip_l"):
         from transformers import CLIPTextConfig, CLIPTextModel
 
         return CLIPTextModel(CLIPTextConfig(**config, attn_implementation=attention))
@@ -103,7 +128,7 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
         from diffusers import AutoencoderKL
 
         return AutoencoderKL.from_config(config)
-    if name in ("sd3_clip_l", "sd3_clip_g"):
+    if name in ("sd3_clip_l", "sd3_clip_g", "sdxl_clip_g"):
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
         return CLIPTextModelWithProjection(CLIPTextConfig(**config, attn_implementation=attention))
@@ -158,6 +183,7 @@ class Bench:
         self.cfg = cfg
         self.workdir = workdir
         self._sd3_configs = None
+        self._sdxl_configs = None
         self.dtype = cfg.resolved_dtype
         self.configs = configs
         self.resolution = cfg.resolution or (32 if cfg.tiny else 512)
@@ -203,12 +229,15 @@ class Bench:
 
     def build(self, name: str):
         """A frozen model in `dtype` on the device, with attention / channels_last as asked."""
-        config = self.configs[name] if name in self.configs else self.sd3_configs[name]
+        if name in self.configs:
+            config = self.configs[name]
+        else:
+            config = self.sdxl_configs[name] if name.startswith("sdxl_") else self.sd3_configs[name]
         with torch.device(self.device):
             model = construct(name, config, self.cfg.attention, self.bert_tokenizer)
         model.requires_grad_(False).eval()
         model.to(dtype=self.dtype)
-        if name in ("unet", "vae", "sd3_transformer", "sd3_vae"):
+        if name in ("unet", "vae", "sd3_transformer", "sd3_vae", "sdxl_unet", "sdxl_vae"):
             if self.cfg.attention == "eager":
                 from diffusers.models.attention_processor import AttnProcessor
 
@@ -267,6 +296,35 @@ class Bench:
                 text_encoder_3=self.build("sd3_t5") if t5 else None,
                 tokenizer_3=t5_tokenizer() if t5 else None,
                 scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),  # SD3.5's
+            )
+        )
+
+    @property
+    def sdxl_configs(self) -> dict[str, dict]:
+        if self._sdxl_configs is None:
+            self._sdxl_configs = sdxl_configs(self.cfg.tiny, self.workdir)
+        return self._sdxl_configs
+
+    def sdxl_family(self, unet):
+        """The SDXL family around `unet` with a fresh VAE, CLIP-L and CLIP-G: what `load_family` gives for an SDXL
+        base folder (its Euler scheduler config; force_zeros_for_empty_prompt)."""
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+        from refl_ddpo.families.sdxl import StableDiffusionXL
+        from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG
+
+        return StableDiffusionXL(
+            StableDiffusionXLPipeline(
+                unet=unet,
+                vae=self.build("sdxl_vae"),
+                text_encoder=self.build("sdxl_clip_l"),
+                text_encoder_2=self.build("sdxl_clip_g"),
+                tokenizer=self.clip_tokenizer,
+                tokenizer_2=self.clip_tokenizer,
+                scheduler=EulerDiscreteScheduler.from_config(
+                    {**SD_SCHEDULER_CONFIG, "timestep_spacing": "leading"}
+                ),
+                add_watermarker=False,
             )
         )
 

@@ -197,5 +197,6 @@ def pretrain_loss(
         target = noise_scheduler.get_velocity(latents, noise, timesteps)
     else:
         target = noise
-    pred = network(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+    # the family's network call (SDXL adds its pooled text and time ids); DDPM's scale_model_input is the identity
+    pred = family.predict(noisy, timesteps, noise_scheduler, cond, None, 1.0, network)
     return F.mse_loss(pred.float(), target.float())

@@ -214,8 +214,8 @@ class CommonConfig(ConfigBase):
     lora_alpha: float | None = field_(None, "LoRA alpha (scale alpha/r); default: equal to the rank.", gt=0)
     lora_target_modules: list[str] | None = field_(
         None,
-        "Module names of the network that get LoRA adapters; default: the model family's (SD 1.x/2.x: to_q to_k "
-        "to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out).",
+        "Module names of the network that get LoRA adapters; default: the model family's (SD 1.x/2.x and SDXL: "
+        "to_q to_k to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out).",
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",

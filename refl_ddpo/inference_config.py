@@ -72,9 +72,9 @@ class InferenceConfig(ConfigBase):
     guidance_scale: float = field_(7.5, "Classifier-free guidance scale (1 or less turns CFG off).")
     scheduler: Literal["ddim", "euler"] | None = field_(
         None,
-        "Sampler, built from the model's scheduler config: ddim (SD 1.x/2.x; eta 0 is deterministic) or euler "
-        "(SD 1.x/2.x's Euler, or SD3's flow-matching one); default: the model family's first (ddim for SD 1.x/2.x, "
-        "euler for SD3).",
+        "Sampler, built from the model's scheduler config: ddim (SD 1.x/2.x, SDXL; eta 0 is deterministic) or "
+        "euler (SD 1.x/2.x's and SDXL's Euler, or SD3's flow-matching one); default: the model family's first (ddim "
+        "for SD 1.x/2.x and SDXL, euler for SD3).",
     )
     eta: float = field_(
         0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed)."

@@ -104,7 +104,9 @@ DRAFT_METHOD = (
 FAMILIES = {
     "sd": "Stable Diffusion 1.x / 2.x (UNet)",
     "sd3": "Stable Diffusion 3 / 3.5 (MMDiT, flow matching)",
+    "sdxl": "Stable Diffusion XL (UNet, two CLIP text encoders)",
 }
+TAGS = {"sd": "stable-diffusion", "sd3": "stable-diffusion-3", "sdxl": "stable-diffusion-xl"}
 
 
 def _value(v) -> str:
@@ -153,7 +155,7 @@ def model_card(
     where = repo_id or str(out_dir.resolve())
     lora = bool(cfg.use_lora)
     tags = ["text-to-image", "diffusers", CARD_TAG, trainer, "lora" if lora else "full-fine-tune"]
-    tags.append("stable-diffusion" if family_name == "sd" else "stable-diffusion-3")
+    tags.append(TAGS.get(family_name, family_name))
     data = ModelCardData(
         library_name="diffusers",
         pipeline_tag="text-to-image",

@@ -143,9 +143,12 @@ def pipeline_class_name(name: str) -> str:
 
 def _components_off(name: str, cls_name: str, drop_t5: bool) -> dict:
     """Components to load as None: SD's safety checker; SD3's T5 when dropped or absent from the folder (diffusers
-    needs them named, and then pads the text tokens with zeros in their place)."""
+    needs them named, and then pads the text tokens with zeros in their place); SDXL's invisible watermark (the kit
+    decodes with its own loop, never through the pipeline's watermarking postprocess)."""
     if cls_name == "StableDiffusionPipeline":
         return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+    if cls_name == "StableDiffusionXLPipeline":
+        return {"add_watermarker": False}
     if cls_name == "StableDiffusion3Pipeline" and (
         drop_t5 or model_index(name).get("text_encoder_3", [None])[0] is None
     ):

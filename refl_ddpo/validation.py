@@ -4,12 +4,13 @@ Every trainer validates the same way (`Validator`), before its first step, every
 DDPO / GRPO: epochs) and after its last:
 
     image j of prompt i      seeded --seed + i x num_validation_images + j (`refl_ddpo.generate.plan_images`)
-    sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x), the flow ODE (SD3),
+    sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x, SDXL), the flow ODE (SD3),
                              --validation_num_steps steps, CFG --validation_guidance_scale (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
                              each part), logged to every tracker with a captioned grid `validation/images`
-    files                    output_dir/validation/{step|epoch}-N.png (the grid) and .json (each image's prompt,
-                             seed and reward, and the means), which the model card reads
+    files                    output_dir/validation/{step|epoch}-N.png (the grid) and .json (the model family, the
+                             sampler, each image's prompt, seed and reward, and the means), which the model card
+                             reads
 
 So the images change only with the weights, and `inference_lora.py --seed S --num_images_per_prompt n
 --num_inference_steps T --prompts_file FILE` draws the same ones from a saved LoRA. The main process alone validates
@@ -205,6 +206,7 @@ class Validator:
             "unit": self.unit,
             "metrics": {k: _finite(v) for k, v in metrics.items()},
             "grid": f"{name}.png",
+            "family": self.family.name,
             "sampler": {
                 "scheduler": self.scheduler_name,
                 "eta": 0.0,

@@ -43,6 +43,19 @@ def test_real_configs_have_sd15_and_imagereward_parameter_counts():
     }
 
 
+def test_sdxl_configs_have_sdxl_base_parameter_counts(tmp_path):
+    # SDXL base 1.0: UNet 2,567,463,684; VAE 83,653,863; CLIP ViT-L/14 text 123,060,480; OpenCLIP bigG text with
+    # projection 694,659,840.
+    from benchmarks.models import sdxl_configs
+
+    assert parameter_counts(sdxl_configs(False, tmp_path)) == {
+        "sdxl_unet": 2_567_463_684,
+        "sdxl_vae": 83_653_863,
+        "sdxl_clip_l": 123_060_480,
+        "sdxl_clip_g": 694_659_840,
+    }
+
+
 def test_sweep_children_get_the_parents_workload_flags():
     cfg = parse_config(
         BenchConfig,
@@ -250,6 +263,18 @@ def test_memory_only_on_tiny_models(tmp_path):
     # The step holds the weights, the Adam states, the activations saved for backward and the gradients.
     assert case["setup_bytes"] < case["steady_bytes"] < case["peak_bytes"] < 3 * case["setup_bytes"]
     assert (tmp_path / "memory.md").read_text().count("| refl lora b1 |") == 1
+
+
+def test_memory_only_sdxl_refl_on_tiny_models(tmp_path):
+    """The SDXL ReFL case counts on meta (the tiny SDXL's UNet with its added conditions, its two CLIPs)."""
+    from benchmarks.memory import architectures, run_memory_only
+
+    argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "sdxl_refl", "--refl_modes", "lora"]
+    argv += ["--refl_batch_sizes", "1", "--refl_steps", "3", "--refl_k", "1"]
+    (case,) = run_memory_only(parse_config(BenchConfig, argv), argv)["cases"]
+    assert case["setup_bytes"] < case["steady_bytes"] < case["peak_bytes"] < 3 * case["setup_bytes"]
+    assert (tmp_path / "memory.md").read_text().count("| sdxl_refl lora b1 |") == 1
+    assert architectures(["sdxl_refl"]) == "SDXL base 1.0 architecture"
 
 
 def test_memory_only_ddpo_on_tiny_models(tmp_path):

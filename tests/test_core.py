@@ -142,6 +142,7 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
     for name in [
         "stable-diffusion/model_index.json",
         "tiny-sd3/model_index.json",
+        "tiny-sdxl/model_index.json",
         "ImageReward.pt",
         "med_config.json",
         "bert-base-uncased/vocab.txt",

@@ -19,6 +19,7 @@ __all__ = [
 FAMILIES = {
     "StableDiffusionPipeline": ("refl_ddpo.families.sd", "StableDiffusion"),
     "StableDiffusion3Pipeline": ("refl_ddpo.families.sd3", "StableDiffusion3"),
+    "StableDiffusionXLPipeline": ("refl_ddpo.families.sdxl", "StableDiffusionXL"),
 }
 
 

@@ -116,6 +116,11 @@ class ModelFamily(ABC):
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """(conditioning of the prompts, of the empty prompt or None), no grad."""
 
+    def empty_cond(self) -> Cond:
+        """The conditioning (batch 1) the stock pipeline guides away from when no negative prompt is given: the
+        empty prompt's encoding here; SDXL's zeros where its config says `force_zeros_for_empty_prompt`."""
+        return self.encode_prompts([""], with_negative=False)[0]
+
     @abstractmethod
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
         """Gaussian latents x_T as the stock pipeline draws them (before `init_noise_sigma`)."""

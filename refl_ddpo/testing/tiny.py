@@ -6,6 +6,8 @@ writes
     OUT/stable-diffusion/   diffusers layout (unet, vae, text_encoder, tokenizer, scheduler, model_index.json)
     OUT/tiny-sd3/           Stable Diffusion 3 layout (transformer, 16-channel vae, two CLIP text encoders and
                             a T5 with their tokenizers, flow-matching scheduler)
+    OUT/tiny-sdxl/          Stable Diffusion XL layout (UNet with added text / time conditions, vae, text_encoder
+                            and text_encoder_2 with their tokenizers, Euler scheduler)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -226,6 +228,72 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     return sd3_dir
 
 
+def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-sdxl/: a StableDiffusionXLPipeline folder with a tiny random UNet taking SDXL's added conditions
+    ("text_time": the pooled text and 6 time ids), a VAE with SDXL's scaling factor and force_upcast, a CLIPTextModel
+    and a CLIPTextModelWithProjection (each with its tokenizer, built offline), SDXL base's Euler scheduler settings
+    and force_zeros_for_empty_prompt. Native resolution 32 (16 x 16 latents)."""
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2),  # SDXL's grow with depth (1, 2, 10)
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,  # SDXL's
+        cross_attention_dim=64,  # the two CLIPs' hidden states side by side (32 + 32)
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 time ids x 8 + the pooled projection (32)
+        norm_num_groups=32,
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
+        scaling_factor=0.13025,  # SDXL's
+        force_upcast=True,  # SDXL's: decoded in float32 when the VAE is float16
+    )
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
+    torch.manual_seed(seed + 3)
+    text_encoder_2 = CLIPTextModelWithProjection(tiny_clip_config(tokenizer, projection_dim=32))
+    pipe = StableDiffusionXLPipeline(
+        unet=unet,
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        scheduler=EulerDiscreteScheduler.from_config({**SD_SCHEDULER_CONFIG, "timestep_spacing": "leading"}),
+        force_zeros_for_empty_prompt=True,
+        add_watermarker=False,
+    )
+    sdxl_dir = Path(out) / "tiny-sdxl"
+    pipe.save_pretrained(sdxl_dir, safe_serialization=True)
+    return sdxl_dir
+
+
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
     """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
     from refl_ddpo.testing import tiny_rewards
@@ -234,6 +302,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_stable_diffusion(out, seed)
     write_tiny_stable_diffusion_3(out, seed)
+    write_tiny_stable_diffusion_xl(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)
     tiny_rewards.write_aesthetic(out / "aesthetic", seed=seed)
     tiny_rewards.write_clip(out, seed=seed)

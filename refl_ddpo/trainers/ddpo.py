@@ -68,7 +68,7 @@ class DDPO(EpochAlgorithm):
                 f"{cfg.pretrained_model} clips x0: use --kl_weight 0."
             )
         self.build_reward(run)
-        self.uncond, _ = run.family.encode_prompts([""], with_negative=False)  # batch 1
+        self.uncond = run.family.empty_cond()  # batch 1
         self.stat_tracker = (
             PerPromptStatTracker(
                 cfg.per_prompt_stat_tracking_buffer_size, cfg.per_prompt_stat_tracking_min_count

@@ -112,11 +112,7 @@ class ForwardProcess(EpochAlgorithm):
         run.family.pipe.scheduler = self.scheduler
         self.build_reward(run)
         cfg = self.cfg
-        self.uncond = (
-            run.family.encode_prompts([""], with_negative=False)[0]
-            if cfg.sample_guidance_scale > 1.0
-            else None
-        )
+        self.uncond = run.family.empty_cond() if cfg.sample_guidance_scale > 1.0 else None
 
     def setup_optimizer(self, run: Run) -> None:
         self.old = [p.detach().clone() for p in run.params]  # the old (sampling) policy: theta at the start

@@ -114,7 +114,7 @@ class ReFL(Algorithm):
         if self.pretrain_data is not None and family.network_name != "unet":
             raise UserError(
                 f"--pretrain_loss_weight {cfg.pretrain_loss_weight}: the pretraining loss is written for SD "
-                f"1.x/2.x (UNet, epsilon/v) models, not {family.name}; set it to 0."
+                f"1.x/2.x and SDXL (UNet, epsilon/v) models, not {family.name}; set it to 0."
             )
         # forward process of the pretraining loss
         self.noise_scheduler = family.scheduler("DDPMScheduler") if self.pretrain_data is not None else None
