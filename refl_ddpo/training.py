@@ -4,6 +4,7 @@ the optimizer, seeded random streams, checkpoints, weight digests, trackers and 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,7 +86,19 @@ def check_identical_weights(accelerator, params: list[torch.nn.Parameter]) -> No
 # ---- accelerator and model ----
 
 
-def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
+def make_accelerator(
+    gradient_accumulation_steps: int,
+    *,
+    mixed_precision: str,
+    report_to: str,
+    output_dir: str,
+    logging_dir: str,
+    device: str | None = None,
+    allow_tf32: bool = False,
+):
+    """The run's Accelerator: `mixed_precision` ("no", "fp16", "bf16"), the trackers of `report_to` (a --report_to
+    choice) logging under output_dir/logging_dir, on `device` ("cpu", "cuda"; None: accelerate's choice), TF32
+    matmuls on CUDA if `allow_tf32`."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -94,25 +107,25 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
     from refl_ddpo.threads import set_cpu_threads
 
     set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
-    log_with = TRACKERS[cfg.report_to] or None
+    log_with = TRACKERS[report_to] or None
     # accelerate keeps its settings per process: a run started in a process that made an Accelerator before (a second
     # run in a notebook, the test suite) must not inherit that one's mixed precision (the processes' group is kept)
     AcceleratorState._reset_state()
     accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=log_with,
         project_config=ProjectConfiguration(
-            project_dir=cfg.output_dir, logging_dir=os.path.join(cfg.output_dir, cfg.logging_dir)
+            project_dir=output_dir, logging_dir=os.path.join(output_dir, logging_dir)
         ),
-        cpu=cfg.device == "cpu",
+        cpu=device == "cpu",
     )
-    if cfg.device is not None and accelerator.device.type != cfg.device:  # honoured, or said so
+    if device is not None and accelerator.device.type != device:  # honoured, or said so
         raise UserError(
-            f"--device {cfg.device}: accelerate placed this process on {accelerator.device} (your accelerate "
+            f"--device {device}: accelerate placed this process on {accelerator.device} (your accelerate "
             "config?); run `accelerate config` again or leave --device out."
         )
-    if cfg.allow_tf32 and torch.cuda.is_available():
+    if allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return accelerator
@@ -123,28 +136,46 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def make_trainable(network, cfg: CommonConfig, targets: list[str] | None = None) -> list[torch.nn.Parameter]:
-    """LoRA adapters on `targets` (default: cfg.lora_target_modules), or the whole network, trainable in fp32;
+@dataclass(frozen=True)
+class TrainableSpec:
+    """Which weights train: LoRA adapters (`use_lora`, of `rank`, `alpha` and `init` on `target_modules`; None:
+    the family's default targets) or the whole network; and gradient checkpointing."""
+
+    use_lora: bool
+    rank: int
+    alpha: float  # resolved (scale alpha / rank)
+    target_modules: tuple[str, ...] | None
+    init: str
+    gradient_checkpointing: bool
+
+
+def make_trainable(
+    network, spec: TrainableSpec, targets: list[str] | None = None
+) -> list[torch.nn.Parameter]:
+    """LoRA adapters on `targets` (default: spec.target_modules), or the whole network, trainable in fp32;
     gradient checkpointing if asked."""
-    if cfg.use_lora:
-        targets = targets or cfg.lora_target_modules
-        params = add_lora(network, cfg.lora_rank, cfg.resolved_lora_alpha, targets, cfg.lora_init)
+    if spec.use_lora:
+        targets = targets or list(spec.target_modules or ())
+        params = add_lora(network, spec.rank, spec.alpha, targets, spec.init)
     else:
         params = trainable_full_unet(network)
-    if cfg.gradient_checkpointing:
+    if spec.gradient_checkpointing:
         network.enable_gradient_checkpointing()
     return params
 
 
-def load_trainable_family(accelerator, cfg: CommonConfig):
-    """(family, trainable params, weight dtype): the model in the mixed-precision dtype on the accelerator's device,
-    LoRA (or all) trainable (on the family's default targets where the config leaves them unset), and accelerate's
-    save/load hooks registered for the network."""
+def load_trainable_family(
+    accelerator, pretrained_model: str, trainable: TrainableSpec, *, drop_t5: bool = False
+):
+    """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
+    accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
+    them unset), and accelerate's save/load hooks registered for the network."""
     from refl_ddpo.families import load_family
 
     dtype = weight_dtype(accelerator)
-    family = load_family(cfg.pretrained_model, dtype, accelerator.device, drop_t5=cfg.drop_t5)
-    params = make_trainable(family.network, cfg, cfg.lora_target_modules or list(family.lora_target_modules))
+    family = load_family(pretrained_model, dtype, accelerator.device, drop_t5=drop_t5)
+    targets = list(trainable.target_modules or family.lora_target_modules)
+    params = make_trainable(family.network, trainable, targets)
     register_network_hooks(accelerator, family.network)
     return family, params, dtype
 
@@ -209,8 +240,17 @@ def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
     return run
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch.optim.Optimizer:
-    if cfg.use_8bit_adam:
+def make_optimizer(
+    params: list[torch.nn.Parameter],
+    *,
+    learning_rate: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float,
+    use_8bit_adam: bool = False,
+) -> torch.optim.Optimizer:
+    """AdamW on `params` (bitsandbytes' 8-bit AdamW with `use_8bit_adam`)."""
+    if use_8bit_adam:
         try:
             import bitsandbytes as bnb
         except ImportError:
@@ -220,13 +260,7 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch
         cls = bnb.optim.AdamW8bit
     else:
         cls = torch.optim.AdamW
-    return cls(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay,
-        eps=cfg.adam_epsilon,
-    )
+    return cls(params, lr=learning_rate, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
 def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:

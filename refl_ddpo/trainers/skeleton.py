@@ -22,13 +22,16 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.families import ModelFamily
 from refl_ddpo.runs import RunInfo
+
+if TYPE_CHECKING:
+    from refl_ddpo.training import TrainableSpec
 
 
 @dataclass
@@ -169,6 +172,20 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     return cfg
 
 
+def trainable_spec(cfg: CommonConfig) -> TrainableSpec:
+    """Which weights the run trains (--use_lora, --lora_*, --gradient_checkpointing)."""
+    from refl_ddpo.training import TrainableSpec
+
+    return TrainableSpec(
+        use_lora=cfg.use_lora,
+        rank=cfg.lora_rank,
+        alpha=cfg.resolved_lora_alpha,
+        target_modules=tuple(cfg.lora_target_modules) if cfg.lora_target_modules else None,
+        init=cfg.lora_init,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+
+
 def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     """The checks, the accelerator, the hub repo and the models: (run, hub repo id). The config is resolved here
     once (the preflight, then the model's native resolution) and handed on; nothing writes to it afterwards."""
@@ -178,7 +195,15 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
 
     info = algo.preflight()
     cfg = algo.cfg  # as the preflight resolved it
-    accelerator = make_accelerator(cfg, algo.accumulation_steps())
+    accelerator = make_accelerator(
+        algo.accumulation_steps(),
+        mixed_precision=cfg.mixed_precision,
+        report_to=cfg.report_to,
+        output_dir=cfg.output_dir,
+        logging_dir=cfg.logging_dir,
+        device=cfg.device,
+        allow_tf32=cfg.allow_tf32,
+    )
     algo.check_processes(accelerator.num_processes)
     repo_id = None
     if cfg.push_to_hub and accelerator.is_main_process:
@@ -186,11 +211,20 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
 
         repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
-    family, params, dtype = load_trainable_family(accelerator, cfg)
+    family, params, dtype = load_trainable_family(
+        accelerator, cfg.pretrained_model, trainable_spec(cfg), drop_t5=cfg.drop_t5
+    )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
     algo.setup(run)
-    run.optimizer = make_optimizer(params, cfg)
+    run.optimizer = make_optimizer(
+        params,
+        learning_rate=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.adam_weight_decay,
+        eps=cfg.adam_epsilon,
+        use_8bit_adam=cfg.use_8bit_adam,
+    )
     algo.setup_optimizer(run)
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
     return run, repo_id
