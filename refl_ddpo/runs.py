@@ -33,7 +33,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.resume_fit import check_resume_fits, settings
+from refl_ddpo.resume_fit import check_resume_fits
 
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
@@ -72,8 +72,9 @@ def _preflight_only() -> bool:
 # ---- checkpoints: record, completeness, contents ----
 
 
-def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo) -> None:
-    """Write folder/checkpoint.json, last: the run, the settings to match on resume, every file's size."""
+def write_marker(folder: Path, settings: dict, step: int, num_processes: int, info: RunInfo) -> None:
+    """Write folder/checkpoint.json, last: the run, the `settings` to match on resume (resume_fit.settings), every
+    file's size."""
     files = {
         p.relative_to(folder).as_posix(): p.stat().st_size
         for p in sorted(folder.rglob("*"))
@@ -84,7 +85,7 @@ def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo
         "trainer": info.trainer,
         "step": step,
         "num_processes": num_processes,
-        "settings": settings(cfg),
+        "settings": settings,
         "files": files,
     }
     tmp = folder / f".{MARKER}.tmp"

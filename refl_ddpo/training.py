@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from refl_ddpo.images import caption_grid
 from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import add_lora, save_lora, trainable_full_unet
 from refl_ddpo.outputs import log_grid
+
+if TYPE_CHECKING:
+    from refl_ddpo.validation import ValidationSpec
 
 # ---- the main / preflight shape ----
 
@@ -276,30 +280,34 @@ def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
 def save_final(
     accelerator,
     network,
-    cfg: CommonConfig,
     family,
     trainer: str,
     progress: dict[str, int],
+    *,
+    output_dir: str,
+    config: dict,
+    validation: ValidationSpec,
     repo_id: str | None = None,
+    hub_token: str | None = None,
     run_id: str | None = None,
 ) -> None:
-    """The final LoRA (diffusers format), the resolved config and the model card README.md (refl_ddpo.model_card)
-    at the top of output_dir; then, with --push_to_hub, the upload to `repo_id` (main process). A local base model is
-    recorded by its absolute path, so that inference_lora.py finds it from any working directory."""
+    """The final LoRA (diffusers format), the resolved `config` (a dict, `to_dict`) and the model card README.md
+    (refl_ddpo.model_card) at the top of `output_dir`; then, with a `repo_id` (--push_to_hub), the upload there
+    (main process). A local base model is recorded by its absolute path, so that inference_lora.py finds it from any
+    working directory."""
     accelerator.wait_for_everyone()
-    check_finite_weights(
-        accelerator.unwrap_model(network), f"not saving the final weights to {cfg.output_dir}"
-    )
+    check_finite_weights(accelerator.unwrap_model(network), f"not saving the final weights to {output_dir}")
     if accelerator.is_main_process:
         from refl_ddpo.model_card import CARD_NAME, model_card
 
-        config = cfg.to_dict()
-        if os.path.exists(cfg.pretrained_model):
-            config["pretrained_model"] = os.path.abspath(cfg.pretrained_model)
-        save_lora(accelerator.unwrap_model(network), cfg.output_dir, config=config)
+        saved = dict(config)
+        if os.path.exists(config["pretrained_model"]):
+            saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
+        save_lora(accelerator.unwrap_model(network), output_dir, config=saved)
         card = model_card(
-            cfg.output_dir,
-            cfg,
+            output_dir,
+            config,
+            validation,
             trainer,
             family.name,
             type(family.network).__name__,
@@ -307,14 +315,16 @@ def save_final(
             progress,
             repo_id,
         )
-        card.save(Path(cfg.output_dir) / CARD_NAME)
-        print(f"saved final weights, config.json and {CARD_NAME} to {cfg.output_dir}", flush=True)
+        card.save(Path(output_dir) / CARD_NAME)
+        print(f"saved final weights, config.json and {CARD_NAME} to {output_dir}", flush=True)
     accelerator.wait_for_everyone()
-    if cfg.push_to_hub and accelerator.is_main_process:  # after the barrier: the others may finish meanwhile
+    if (
+        repo_id is not None and accelerator.is_main_process
+    ):  # after the barrier: the others may finish meanwhile
         from refl_ddpo.hub_push import push_run
 
         done = ", ".join(f"{v} {k}" for k, v in progress.items())
-        url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}", run_id)
+        url = push_run(repo_id, output_dir, f"{trainer}: {done}", run_id, token=hub_token)
         print(f"pushed to the hub repo {repo_id}: {url}", flush=True)
 
 
