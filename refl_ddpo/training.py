@@ -41,7 +41,7 @@ def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
     except UserError as e:
         from refl_ddpo.runs import release_run
 
-        release_run(cfg)
+        release_run(getattr(cfg, "output_dir", None))
         if report_user_error(str(e), e.exit_code):  # launch.sh prints the first process' error, once
             sys.exit(e.exit_code)
         if int(os.environ.get("RANK", "0")) > 0:
@@ -215,26 +215,28 @@ def next_log_run(logs: Path) -> str:
     return f"{LOG_RUN_PREFIX}{max(taken, default=0) + 1}"
 
 
-def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
-    """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only); returns the
-    log run's name.
+def start_trackers(
+    accelerator, project: str, config: dict, *, report_to: str, output_dir: str, logging_dir: str
+) -> str | None:
+    """Start the trackers of `report_to` (a --report_to choice) with `config` (the resolved config, `to_dict`) as
+    hyperparameters (scalars and strings only); returns the log run's name.
 
     Each start is a new log run, `output_dir/logging_dir/run-N/` (TensorBoard writes `run-N/<project>/`; wandb keeps
     its run files in `output_dir/logging_dir/wandb/` and names the run `<project>-run-N`), so a resumed or repeated
     run into the same folder never draws over the curves of the one before."""
     from refl_ddpo.config import TRACKERS
 
-    if cfg.report_to == "none":
+    if report_to == "none":
         return None
     hparams = {  # to_dict leaves secrets (--hub_token) out
-        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()
     }
-    logs = Path(cfg.output_dir) / cfg.logging_dir
+    logs = Path(output_dir) / logging_dir
     run = next_log_run(logs) if accelerator.is_main_process else None
     init_kwargs = {}
     if run is not None:
         accelerator.project_configuration.logging_dir = str(logs / run)
-        if "wandb" in TRACKERS[cfg.report_to]:
+        if "wandb" in TRACKERS[report_to]:
             logs.mkdir(parents=True, exist_ok=True)
             init_kwargs["wandb"] = {
                 "dir": str(logs),
@@ -267,12 +269,12 @@ def make_optimizer(
     return cls(params, lr=learning_rate, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
-def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
+def nonfinite_step_error(output_dir: str, what: str, fix: str) -> UserError:
     """The error that stops a run at a non-finite reward, loss or gradient, before the update and before any save:
-    what happened, that the newest checkpoint stays the last good state, and what to change."""
+    what happened, that the newest checkpoint in `output_dir` stays the last good state, and what to change."""
     from refl_ddpo.runs import list_checkpoints
 
-    found = list_checkpoints(cfg.output_dir)
+    found = list_checkpoints(output_dir)
     newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
     return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
 

@@ -342,9 +342,9 @@ def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_pa
         "unet",
         {"optimizer steps": 1},
     ).save(tmp_path / CARD_NAME)
-    assert set(clear_run(cfg, tmp_path)) == {VALIDATION_DIR, CARD_NAME}
+    assert set(clear_run(tmp_path, cfg.logging_dir)) == {VALIDATION_DIR, CARD_NAME}
     (tmp_path / CARD_NAME).write_text("# my notes\n")
-    assert clear_run(cfg, tmp_path) == [] and (tmp_path / CARD_NAME).is_file()
+    assert clear_run(tmp_path, cfg.logging_dir) == [] and (tmp_path / CARD_NAME).is_file()
 
 
 # ---- end to end: validation, tensorboard + wandb, card, push, load back by id ----

@@ -253,7 +253,14 @@ def start(algo: Algorithm, run: Run) -> int:
     from refl_ddpo.training import print_config, start_trackers
 
     cfg, accelerator, resume = run.cfg, run.accelerator, run.info.resume
-    start_trackers(accelerator, cfg, algo.name)
+    start_trackers(
+        accelerator,
+        algo.name,
+        cfg.to_dict(),
+        report_to=cfg.report_to,
+        output_dir=cfg.output_dir,
+        logging_dir=cfg.logging_dir,
+    )
     if accelerator.is_main_process:
         print_config(
             cfg, {**algo.describe(run), "processes": accelerator.num_processes, "resume from": resume}
