@@ -132,7 +132,8 @@ def model_card(
 ):
     """The `ModelCard` of the run in `out_dir` (its validation records are read from out_dir/validation).
 
-    `config`: the resolved config as a dict (`to_dict`, what config.json holds), whose settings the card lists;
+    `config`: the resolved config as a dict (`to_dict`; config.json holds the same, a local base model by its
+    absolute path): the card lists its settings and names its base model, reward and weights (LoRA or all);
     `validation`: how the run validated (the usage examples draw those images again);
     `progress`: what was trained, e.g. {"optimizer steps": 160} or {"epochs": 16, "optimizer steps": 32};
     `repo_id`: the hub repo it is pushed to (the loading example then names it instead of the folder)."""
