@@ -210,7 +210,15 @@ class Bench:
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)
-        self.accelerator = make_accelerator(self.common, 1)
+        self.accelerator = make_accelerator(
+            1,
+            mixed_precision=self.common.mixed_precision,
+            report_to=self.common.report_to,
+            output_dir=self.common.output_dir,
+            logging_dir=self.common.logging_dir,
+            device=self.common.device,
+            allow_tf32=self.common.allow_tf32,
+        )
         self.device = self.accelerator.device
         if self.device.type == "cuda":  # make_accelerator only ever switches TF32 on
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
@@ -333,6 +341,7 @@ class Bench:
     ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
         """The UNet as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on a frozen base in dtype
         (adapters fp32), or all of it in fp32; gradient checkpointing if asked."""
+        from refl_ddpo.trainers.skeleton import trainable_spec
         from refl_ddpo.training import make_trainable
 
         unet = self.build(name)
@@ -343,14 +352,23 @@ class Bench:
             lora_target_modules=self.common.lora_target_modules,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
         )
-        return unet, make_trainable(unet, config)
+        return unet, make_trainable(unet, trainable_spec(config))
 
     def prepare(self, unet, params, config, gradient_accumulation_steps: int = 1):
         """The trainers' `make_optimizer` + `accelerator.prepare(unet, optimizer)`."""
         from refl_ddpo.training import make_optimizer
 
+        config = config or self.common
         self.accelerator.gradient_accumulation_steps = gradient_accumulation_steps
-        return self.accelerator.prepare(unet, make_optimizer(params, config or self.common))
+        optimizer = make_optimizer(
+            params,
+            learning_rate=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.adam_weight_decay,
+            eps=config.adam_epsilon,
+            use_8bit_adam=config.use_8bit_adam,
+        )
+        return self.accelerator.prepare(unet, optimizer)
 
     def finish(self, unet=None, vae=None, reward=None) -> None:
         """VAE / reward gradient checkpointing and torch.compile, last (after LoRA and prepare)."""

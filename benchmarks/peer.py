@@ -217,8 +217,8 @@ def run_ours(cfg: dict, model: str, prompts: str, work: Path, epochs: int, clock
 
     load = refl_ddpo.training.load_trainable_family
 
-    def load_and_watch(accelerator, cfg):  # the trainer's own loader, the counting hook on its UNet
-        family, params, dtype = load(accelerator, cfg)
+    def load_and_watch(*args, **kwargs):  # the trainer's own loader, the counting hook on its UNet
+        family, params, dtype = load(*args, **kwargs)
         clock.counter.watch(family.network)
         return family, params, dtype
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.config import CommonConfig
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import FULL_UNET_DIR, load_lora_into_unet, save_lora
 
@@ -67,18 +66,27 @@ def check_finite_weights(
 
 
 def save_checkpoint(
-    accelerator, cfg: CommonConfig, step: int, counters: dict, tensors: dict[str, torch.Tensor], info
+    accelerator,
+    output_dir: str,
+    step: int,
+    counters: dict,
+    tensors: dict[str, torch.Tensor],
+    info,
+    *,
+    settings: dict,
+    total_limit: int | None = None,
 ) -> Path:
     """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
-    checkpoint.json last (refl_ddpo.runs: the run, the settings a resume must match, every file's size).
+    checkpoint.json last (refl_ddpo.runs: the run, the `settings` a resume must match (resume_fit.settings), every
+    file's size).
 
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
-    --checkpoints_total_limit then deletes the oldest checkpoints of this run only.
+    With a `total_limit` (--checkpoints_total_limit) the oldest checkpoints of this run only are then deleted.
     """
     from refl_ddpo.runs import rotate_checkpoints, write_marker
 
-    final = Path(cfg.output_dir) / f"checkpoint-{step}"
-    tmp = Path(cfg.output_dir) / f".checkpoint-{step}.tmp"
+    final = Path(output_dir) / f"checkpoint-{step}"
+    tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
@@ -96,12 +104,12 @@ def save_checkpoint(
             {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TRAIN_STATE_TENSORS)
         )
         (tmp / TRAIN_STATE_JSON).write_text(json.dumps(counters, indent=2) + "\n")
-        write_marker(tmp, cfg, step, accelerator.num_processes, info)
+        write_marker(tmp, settings, step, accelerator.num_processes, info)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        if cfg.checkpoints_total_limit:
-            rotate_checkpoints(cfg.output_dir, info.run_id, cfg.checkpoints_total_limit)
+        if total_limit:
+            rotate_checkpoints(output_dir, info.run_id, total_limit)
     accelerator.wait_for_everyone()
     return final
 

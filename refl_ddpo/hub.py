@@ -37,9 +37,9 @@ def _hub_error(what: str, e: Exception) -> UserError:
     return UserError(f"{what} ({type(e).__name__}: {first})")
 
 
-def repo_name(cfg) -> str:
+def repo_name(hub_model_id: str | None, output_dir: str) -> str:
     """--hub_model_id, default: the name of --output_dir."""
-    return cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+    return hub_model_id or Path(output_dir).resolve().name
 
 
 def check_push(cfg) -> None:
@@ -50,7 +50,7 @@ def check_push(cfg) -> None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    name = repo_name(cfg)
+    name = repo_name(cfg.hub_model_id, cfg.output_dir)
     try:
         validate_repo_id(name)
     except HFValidationError as e:
@@ -67,15 +67,15 @@ def check_push(cfg) -> None:
         )
 
 
-def create_hub_repo(cfg) -> str:
-    """Create the repo of --push_to_hub (or find it), before training, so that a wrong token fails at once; returns
-    its full id 'user/name'."""
+def create_hub_repo(name: str, token: str | None = None) -> str:
+    """Create the repo `name` of --push_to_hub (`repo_name`) or find it, before training, so that a wrong token
+    fails at once; returns its full id 'user/name'."""
     from huggingface_hub import HfApi
 
     try:
-        return HfApi(token=cfg.hub_token).create_repo(repo_name(cfg), exist_ok=True).repo_id
+        return HfApi(token=token).create_repo(name, exist_ok=True).repo_id
     except _hub_failures() as e:  # network, auth, permission: one line with the hub's reason
-        raise _hub_error(f"--push_to_hub: could not create the hub repo {repo_name(cfg)}", e) from None
+        raise _hub_error(f"--push_to_hub: could not create the hub repo {name}", e) from None
 
 
 def download(

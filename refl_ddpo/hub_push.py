@@ -33,13 +33,15 @@ def push_patterns(out_dir: Path, run_id: str | None = None) -> list[str]:
     return patterns
 
 
-def push_run(cfg, repo_id: str, out_dir: str | Path, message: str, run_id: str | None = None) -> str:
-    """Upload the finished run in `out_dir` to `repo_id` (one commit), with the newest checkpoint of run `run_id`;
-    returns the commit's URL."""
+def push_run(
+    repo_id: str, out_dir: str | Path, message: str, run_id: str | None = None, token: str | None = None
+) -> str:
+    """Upload the finished run in `out_dir` to `repo_id` (one commit, with `token`), with the newest checkpoint of
+    run `run_id`; returns the commit's URL."""
     from huggingface_hub import HfApi
 
     try:
-        info = HfApi(token=cfg.hub_token).upload_folder(
+        info = HfApi(token=token).upload_folder(
             repo_id=repo_id,
             folder_path=str(out_dir),
             allow_patterns=push_patterns(Path(out_dir), run_id),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refl_ddpo.validation import VALIDATION_DIR, validation_files
+from refl_ddpo.validation import VALIDATION_DIR, ValidationSpec, validation_files
 
 CARD_NAME = "README.md"
 CARD_TAG = (
@@ -123,7 +123,8 @@ def _fmt(v: float | None) -> str:
 
 def model_card(
     out_dir: str | Path,
-    cfg,
+    config: dict,
+    validation: ValidationSpec,
     trainer: str,
     family_name: str,
     network_class: str,
@@ -133,6 +134,9 @@ def model_card(
 ):
     """The `ModelCard` of the run in `out_dir` (its validation records are read from out_dir/validation).
 
+    `config`: the resolved config as a dict (`to_dict`; config.json holds the same, a local base model by its
+    absolute path): the card lists its settings and names its base model, reward and weights (LoRA or all);
+    `validation`: how the run validated (the usage examples draw those images again);
     `progress`: what was trained, e.g. {"optimizer steps": 160} or {"epochs": 16, "optimizer steps": 32};
     `repo_id`: the hub repo it is pushed to (the loading example then names it instead of the folder)."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -140,26 +144,22 @@ def model_card(
     from refl_ddpo.models import looks_local
 
     out_dir = Path(out_dir)
-    config = cfg.to_dict()
-    base = (
-        str(Path(cfg.pretrained_model).resolve())
-        if looks_local(cfg.pretrained_model)
-        else cfg.pretrained_model
-    )
-    on_hub = not looks_local(cfg.pretrained_model)
+    pretrained_model = config["pretrained_model"]
+    base = str(Path(pretrained_model).resolve()) if looks_local(pretrained_model) else pretrained_model
+    on_hub = not looks_local(pretrained_model)
     method, reference, settings = METHODS[trainer]
     if trainer == "refl" and config.get(
         "backprop_steps"
     ):  # the same trainer, the reward through the last K steps
         method, reference = DRAFT_METHOD
     where = repo_id or str(out_dir.resolve())
-    lora = bool(cfg.use_lora)
+    lora = bool(config["use_lora"])
     tags = ["text-to-image", "diffusers", CARD_TAG, trainer, "lora" if lora else "full-fine-tune"]
     tags.append(TAGS.get(family_name, family_name))
     data = ModelCardData(
         library_name="diffusers",
         pipeline_tag="text-to-image",
-        base_model=cfg.pretrained_model if on_hub else None,  # the hub checks that it names a hub model
+        base_model=pretrained_model if on_hub else None,  # the hub checks that it names a hub model
         tags=tags,
     )
     records = validation_files(out_dir)
@@ -167,7 +167,7 @@ def model_card(
     lines = [
         f"# {NAMES[trainer]} {'LoRA' if lora else 'fine-tune'} of {Path(base).name}",
         "",
-        f"Trained with refl_ddpo by **{method}** ({reference}), rewarded by **{cfg.reward}**.",
+        f"Trained with refl_ddpo by **{method}** ({reference}), rewarded by **{config['reward']}**.",
         "",
         "## Training",
         "",
@@ -184,8 +184,8 @@ def model_card(
             lines.append(f"| {name} | `{_value(config[name])}` |")
     lines += ["", "Every setting of the run is in `config.json` beside the weights.", ""]
 
-    lines += _validation_section(records, cfg.validation_prompts_file)
-    lines += _usage_section(cfg, records, lora, base, where, network_class, network_name)
+    lines += _validation_section(records, validation.prompts_file)
+    lines += _usage_section(validation, records, lora, base, where, network_class, network_name)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
@@ -226,11 +226,19 @@ def _validation_section(records: list[dict], prompts_file) -> list[str]:
     return lines
 
 
-def _usage_section(cfg, records, lora: bool, base: str, where: str, network_class: str, network_name: str):
+def _usage_section(
+    validation: ValidationSpec,
+    records,
+    lora: bool,
+    base: str,
+    where: str,
+    network_class: str,
+    network_name: str,
+):
     """Loading the weights with diffusers, and the inference script's command that draws the validation again."""
     lines: list[str] = []
     example = records[-1]["records"][0]["prompt"] if records else "a photo of a cat"
-    steps = cfg.validation_num_steps
+    steps = validation.num_steps
     lines += [
         "## How to use",
         "",
@@ -254,24 +262,24 @@ def _usage_section(cfg, records, lora: bool, base: str, where: str, network_clas
     lines += [
         (
             f'image = pipe("{example}", num_inference_steps={steps}, '
-            f"guidance_scale={cfg.validation_guidance_scale:g}, height={cfg.resolution}, "
-            f"width={cfg.resolution}).images[0]"
+            f"guidance_scale={validation.guidance_scale:g}, height={validation.resolution}, "
+            f"width={validation.resolution}).images[0]"
         ),
         "```",
         "",
-        *_kit_example(cfg, where, base),
+        *_kit_example(validation, where, base),
     ]
     return lines
 
 
-def _kit_example(cfg, where: str, base: str) -> list[str]:
+def _kit_example(validation: ValidationSpec, where: str, base: str) -> list[str]:
     """The inference script's command that draws the validation images again (same prompts, seeds, sampler)."""
     command = f"python inference/inference_lora.py --lora_dir {where} --pretrained_model {base}"
-    if not cfg.validation_prompts_file:
+    if not validation.prompts_file:
         return ["With this kit:", "", "```bash", command, "```", ""]
     from refl_ddpo.prompts import DATA_DIR, PROMPT_SOURCES
 
-    prompts = cfg.validation_prompts_file
+    prompts = validation.prompts_file
     if prompts in PROMPT_SOURCES and not Path(prompts).exists():
         prompts = str(DATA_DIR / f"{prompts}.txt")
     return [
@@ -279,9 +287,9 @@ def _kit_example(cfg, where: str, base: str) -> list[str]:
         "",
         "```bash",
         (
-            f"{command} \\\n  --prompts_file {prompts} --seed {cfg.seed} --num_images_per_prompt "
-            f"{cfg.num_validation_images} --num_inference_steps {cfg.validation_num_steps} --guidance_scale "
-            f"{cfg.validation_guidance_scale:g} --resolution {cfg.resolution}"
+            f"{command} \\\n  --prompts_file {prompts} --seed {validation.seed} --num_images_per_prompt "
+            f"{validation.num_images} --num_inference_steps {validation.num_steps} --guidance_scale "
+            f"{validation.guidance_scale:g} --resolution {validation.resolution}"
         ),
         "```",
         "",

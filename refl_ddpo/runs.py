@@ -33,7 +33,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.resume_fit import check_resume_fits, settings
+from refl_ddpo.resume_fit import check_resume_fits
 
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
@@ -72,8 +72,9 @@ def _preflight_only() -> bool:
 # ---- checkpoints: record, completeness, contents ----
 
 
-def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo) -> None:
-    """Write folder/checkpoint.json, last: the run, the settings to match on resume, every file's size."""
+def write_marker(folder: Path, settings: dict, step: int, num_processes: int, info: RunInfo) -> None:
+    """Write folder/checkpoint.json, last: the run, the `settings` to match on resume (resume_fit.settings), every
+    file's size."""
     files = {
         p.relative_to(folder).as_posix(): p.stat().st_size
         for p in sorted(folder.rglob("*"))
@@ -84,7 +85,7 @@ def write_marker(folder: Path, cfg, step: int, num_processes: int, info: RunInfo
         "trainer": info.trainer,
         "step": step,
         "num_processes": num_processes,
-        "settings": settings(cfg),
+        "settings": settings,
         "files": files,
     }
     tmp = folder / f".{MARKER}.tmp"
@@ -284,13 +285,13 @@ def _check_claim(cfg, output_dir: Path, resume: Path | None, record: dict | None
     return False
 
 
-def clear_run(cfg, output_dir: Path) -> list[str]:
-    """Delete the old run's files from output_dir (checkpoints, final weights, run.json, logs, debug/, validation/
-    and the model card)."""
+def clear_run(output_dir: Path, logging_dir: str) -> list[str]:
+    """Delete the old run's files from output_dir (checkpoints, final weights, run.json, the logs in
+    `logging_dir`, debug/, validation/ and the model card)."""
     names = run_files(output_dir)
-    logs = output_dir / cfg.logging_dir
+    logs = output_dir / logging_dir
     if logs.exists() and _is_inside(logs, output_dir) and logs.resolve() != output_dir.resolve():
-        names.append(cfg.logging_dir)
+        names.append(logging_dir)
     from refl_ddpo.model_card import CARD_NAME, is_our_card
     from refl_ddpo.validation import VALIDATION_DIR
 
@@ -330,7 +331,10 @@ def start_run(cfg, trainer: str, steps_field: str) -> RunInfo:
         clear = _check_claim(cfg, output_dir, resume, record)
         if not _preflight_only():
             if clear:
-                print(f"--overwrite_output_dir: deleted {', '.join(clear_run(cfg, output_dir))}", flush=True)
+                print(
+                    f"--overwrite_output_dir: deleted {', '.join(clear_run(output_dir, cfg.logging_dir))}",
+                    flush=True,
+                )
             tmp = output_dir / f".{RUN_FILE}.tmp"
             tmp.write_text(json.dumps({"run_id": info.run_id, "trainer": trainer}, indent=2) + "\n")
             os.replace(tmp, output_dir / RUN_FILE)
@@ -338,12 +342,12 @@ def start_run(cfg, trainer: str, steps_field: str) -> RunInfo:
     return info
 
 
-def release_run(cfg) -> None:
-    """After a user error: give output_dir back if this process claimed it and nothing else was written there yet,
-    so that the corrected command runs without --overwrite_output_dir."""
-    if not isinstance(getattr(cfg, "output_dir", None), str):
+def release_run(output_dir: str | None) -> None:
+    """After a user error: give `output_dir` back if this process claimed it and nothing else was written there
+    yet, so that the corrected command runs without --overwrite_output_dir."""
+    if not isinstance(output_dir, str):
         return
-    output_dir = Path(cfg.output_dir)
+    output_dir = Path(output_dir)
     run_id = _claimed.get(str(output_dir.resolve()))
     if run_id is None or run_files(output_dir) != [RUN_FILE]:
         return

@@ -4,7 +4,9 @@ the optimizer, seeded random streams, checkpoints, weight digests, trackers and 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +17,9 @@ from refl_ddpo.images import caption_grid
 from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import add_lora, save_lora, trainable_full_unet
 from refl_ddpo.outputs import log_grid
+
+if TYPE_CHECKING:
+    from refl_ddpo.validation import ValidationSpec
 
 # ---- the main / preflight shape ----
 
@@ -36,7 +41,7 @@ def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
     except UserError as e:
         from refl_ddpo.runs import release_run
 
-        release_run(cfg)
+        release_run(getattr(cfg, "output_dir", None))
         if report_user_error(str(e), e.exit_code):  # launch.sh prints the first process' error, once
             sys.exit(e.exit_code)
         if int(os.environ.get("RANK", "0")) > 0:
@@ -85,7 +90,19 @@ def check_identical_weights(accelerator, params: list[torch.nn.Parameter]) -> No
 # ---- accelerator and model ----
 
 
-def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
+def make_accelerator(
+    gradient_accumulation_steps: int,
+    *,
+    mixed_precision: str,
+    report_to: str,
+    output_dir: str,
+    logging_dir: str,
+    device: str | None = None,
+    allow_tf32: bool = False,
+):
+    """The run's Accelerator: `mixed_precision` ("no", "fp16", "bf16"), the trackers of `report_to` (a --report_to
+    choice) logging under output_dir/logging_dir, on `device` ("cpu", "cuda"; None: accelerate's choice), TF32
+    matmuls on CUDA if `allow_tf32`."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -94,25 +111,25 @@ def make_accelerator(cfg: CommonConfig, gradient_accumulation_steps: int):
     from refl_ddpo.threads import set_cpu_threads
 
     set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
-    log_with = TRACKERS[cfg.report_to] or None
+    log_with = TRACKERS[report_to] or None
     # accelerate keeps its settings per process: a run started in a process that made an Accelerator before (a second
     # run in a notebook, the test suite) must not inherit that one's mixed precision (the processes' group is kept)
     AcceleratorState._reset_state()
     accelerator = Accelerator(
-        mixed_precision=cfg.mixed_precision,
+        mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
         log_with=log_with,
         project_config=ProjectConfiguration(
-            project_dir=cfg.output_dir, logging_dir=os.path.join(cfg.output_dir, cfg.logging_dir)
+            project_dir=output_dir, logging_dir=os.path.join(output_dir, logging_dir)
         ),
-        cpu=cfg.device == "cpu",
+        cpu=device == "cpu",
     )
-    if cfg.device is not None and accelerator.device.type != cfg.device:  # honoured, or said so
+    if device is not None and accelerator.device.type != device:  # honoured, or said so
         raise UserError(
-            f"--device {cfg.device}: accelerate placed this process on {accelerator.device} (your accelerate "
+            f"--device {device}: accelerate placed this process on {accelerator.device} (your accelerate "
             "config?); run `accelerate config` again or leave --device out."
         )
-    if cfg.allow_tf32 and torch.cuda.is_available():
+    if allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return accelerator
@@ -123,28 +140,46 @@ def weight_dtype(accelerator) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
 
 
-def make_trainable(network, cfg: CommonConfig, targets: list[str] | None = None) -> list[torch.nn.Parameter]:
-    """LoRA adapters on `targets` (default: cfg.lora_target_modules), or the whole network, trainable in fp32;
+@dataclass(frozen=True)
+class TrainableSpec:
+    """Which weights train: LoRA adapters (`use_lora`, of `rank`, `alpha` and `init` on `target_modules`; None:
+    the family's default targets) or the whole network; and gradient checkpointing."""
+
+    use_lora: bool
+    rank: int
+    alpha: float  # resolved (scale alpha / rank)
+    target_modules: tuple[str, ...] | None
+    init: str
+    gradient_checkpointing: bool
+
+
+def make_trainable(
+    network, spec: TrainableSpec, targets: list[str] | None = None
+) -> list[torch.nn.Parameter]:
+    """LoRA adapters on `targets` (default: spec.target_modules), or the whole network, trainable in fp32;
     gradient checkpointing if asked."""
-    if cfg.use_lora:
-        targets = targets or cfg.lora_target_modules
-        params = add_lora(network, cfg.lora_rank, cfg.resolved_lora_alpha, targets, cfg.lora_init)
+    if spec.use_lora:
+        targets = targets or list(spec.target_modules or ())
+        params = add_lora(network, spec.rank, spec.alpha, targets, spec.init)
     else:
         params = trainable_full_unet(network)
-    if cfg.gradient_checkpointing:
+    if spec.gradient_checkpointing:
         network.enable_gradient_checkpointing()
     return params
 
 
-def load_trainable_family(accelerator, cfg: CommonConfig):
-    """(family, trainable params, weight dtype): the model in the mixed-precision dtype on the accelerator's device,
-    LoRA (or all) trainable (on the family's default targets where the config leaves them unset), and accelerate's
-    save/load hooks registered for the network."""
+def load_trainable_family(
+    accelerator, pretrained_model: str, trainable: TrainableSpec, *, drop_t5: bool = False
+):
+    """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
+    accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
+    them unset), and accelerate's save/load hooks registered for the network."""
     from refl_ddpo.families import load_family
 
     dtype = weight_dtype(accelerator)
-    family = load_family(cfg.pretrained_model, dtype, accelerator.device, drop_t5=cfg.drop_t5)
-    params = make_trainable(family.network, cfg, cfg.lora_target_modules or list(family.lora_target_modules))
+    family = load_family(pretrained_model, dtype, accelerator.device, drop_t5=drop_t5)
+    targets = list(trainable.target_modules or family.lora_target_modules)
+    params = make_trainable(family.network, trainable, targets)
     register_network_hooks(accelerator, family.network)
     return family, params, dtype
 
@@ -180,26 +215,28 @@ def next_log_run(logs: Path) -> str:
     return f"{LOG_RUN_PREFIX}{max(taken, default=0) + 1}"
 
 
-def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
-    """Start the trackers (--report_to) with the config as hyperparameters (scalars and strings only); returns the
-    log run's name.
+def start_trackers(
+    accelerator, project: str, config: dict, *, report_to: str, output_dir: str, logging_dir: str
+) -> str | None:
+    """Start the trackers of `report_to` (a --report_to choice) with `config` (the resolved config, `to_dict`) as
+    hyperparameters (scalars and strings only); returns the log run's name.
 
     Each start is a new log run, `output_dir/logging_dir/run-N/` (TensorBoard writes `run-N/<project>/`; wandb keeps
     its run files in `output_dir/logging_dir/wandb/` and names the run `<project>-run-N`), so a resumed or repeated
     run into the same folder never draws over the curves of the one before."""
     from refl_ddpo.config import TRACKERS
 
-    if cfg.report_to == "none":
+    if report_to == "none":
         return None
     hparams = {  # to_dict leaves secrets (--hub_token) out
-        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in cfg.to_dict().items()
+        k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in config.items()
     }
-    logs = Path(cfg.output_dir) / cfg.logging_dir
+    logs = Path(output_dir) / logging_dir
     run = next_log_run(logs) if accelerator.is_main_process else None
     init_kwargs = {}
     if run is not None:
         accelerator.project_configuration.logging_dir = str(logs / run)
-        if "wandb" in TRACKERS[cfg.report_to]:
+        if "wandb" in TRACKERS[report_to]:
             logs.mkdir(parents=True, exist_ok=True)
             init_kwargs["wandb"] = {
                 "dir": str(logs),
@@ -209,8 +246,17 @@ def start_trackers(accelerator, cfg: CommonConfig, project: str) -> str | None:
     return run
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch.optim.Optimizer:
-    if cfg.use_8bit_adam:
+def make_optimizer(
+    params: list[torch.nn.Parameter],
+    *,
+    learning_rate: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float,
+    use_8bit_adam: bool = False,
+) -> torch.optim.Optimizer:
+    """AdamW on `params` (bitsandbytes' 8-bit AdamW with `use_8bit_adam`)."""
+    if use_8bit_adam:
         try:
             import bitsandbytes as bnb
         except ImportError:
@@ -220,21 +266,15 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: CommonConfig) -> torch
         cls = bnb.optim.AdamW8bit
     else:
         cls = torch.optim.AdamW
-    return cls(
-        params,
-        lr=cfg.learning_rate,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.adam_weight_decay,
-        eps=cfg.adam_epsilon,
-    )
+    return cls(params, lr=learning_rate, betas=betas, weight_decay=weight_decay, eps=eps)
 
 
-def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
+def nonfinite_step_error(output_dir: str, what: str, fix: str) -> UserError:
     """The error that stops a run at a non-finite reward, loss or gradient, before the update and before any save:
-    what happened, that the newest checkpoint stays the last good state, and what to change."""
+    what happened, that the newest checkpoint in `output_dir` stays the last good state, and what to change."""
     from refl_ddpo.runs import list_checkpoints
 
-    found = list_checkpoints(cfg.output_dir)
+    found = list_checkpoints(output_dir)
     newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
     return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
 
@@ -242,30 +282,34 @@ def nonfinite_step_error(cfg: CommonConfig, what: str, fix: str) -> UserError:
 def save_final(
     accelerator,
     network,
-    cfg: CommonConfig,
     family,
     trainer: str,
     progress: dict[str, int],
+    *,
+    output_dir: str,
+    config: dict,
+    validation: ValidationSpec,
     repo_id: str | None = None,
+    hub_token: str | None = None,
     run_id: str | None = None,
 ) -> None:
-    """The final LoRA (diffusers format), the resolved config and the model card README.md (refl_ddpo.model_card)
-    at the top of output_dir; then, with --push_to_hub, the upload to `repo_id` (main process). A local base model is
-    recorded by its absolute path, so that inference_lora.py finds it from any working directory."""
+    """The final LoRA (diffusers format), the resolved `config` (a dict, `to_dict`) and the model card README.md
+    (refl_ddpo.model_card) at the top of `output_dir`; then, with a `repo_id` (--push_to_hub), the upload there
+    (main process). A local base model is recorded by its absolute path, so that inference_lora.py finds it from any
+    working directory."""
     accelerator.wait_for_everyone()
-    check_finite_weights(
-        accelerator.unwrap_model(network), f"not saving the final weights to {cfg.output_dir}"
-    )
+    check_finite_weights(accelerator.unwrap_model(network), f"not saving the final weights to {output_dir}")
     if accelerator.is_main_process:
         from refl_ddpo.model_card import CARD_NAME, model_card
 
-        config = cfg.to_dict()
-        if os.path.exists(cfg.pretrained_model):
-            config["pretrained_model"] = os.path.abspath(cfg.pretrained_model)
-        save_lora(accelerator.unwrap_model(network), cfg.output_dir, config=config)
+        saved = dict(config)
+        if os.path.exists(config["pretrained_model"]):
+            saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
+        save_lora(accelerator.unwrap_model(network), output_dir, config=saved)
         card = model_card(
-            cfg.output_dir,
-            cfg,
+            output_dir,
+            config,
+            validation,
             trainer,
             family.name,
             type(family.network).__name__,
@@ -273,14 +317,16 @@ def save_final(
             progress,
             repo_id,
         )
-        card.save(Path(cfg.output_dir) / CARD_NAME)
-        print(f"saved final weights, config.json and {CARD_NAME} to {cfg.output_dir}", flush=True)
+        card.save(Path(output_dir) / CARD_NAME)
+        print(f"saved final weights, config.json and {CARD_NAME} to {output_dir}", flush=True)
     accelerator.wait_for_everyone()
-    if cfg.push_to_hub and accelerator.is_main_process:  # after the barrier: the others may finish meanwhile
+    if (
+        repo_id is not None and accelerator.is_main_process
+    ):  # after the barrier: the others may finish meanwhile
         from refl_ddpo.hub_push import push_run
 
         done = ", ".join(f"{v} {k}" for k, v in progress.items())
-        url = push_run(cfg, repo_id, cfg.output_dir, f"{trainer}: {done}", run_id)
+        url = push_run(repo_id, output_dir, f"{trainer}: {done}", run_id, token=hub_token)
         print(f"pushed to the hub repo {repo_id}: {url}", flush=True)
 
 

@@ -70,12 +70,40 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def make_validator(accelerator, family, reward, cfg, *, every: int, unit: str, last: int, start: int):
-    """The trainer's Validator, or None without --validation_prompts_file; the records of validations after `start`
-    (from a run that went further and was not resumed from there) are forgotten."""
-    if not cfg.validation_prompts_file:
+@dataclass(frozen=True)
+class ValidationSpec:
+    """What validation draws and how (the --validation_* flags, resolved): built once by the skeleton; the model
+    card's examples draw the same images again from it."""
+
+    prompts_file: str | None  # --validation_prompts_file; None: no validation
+    num_images: int  # per prompt (--num_validation_images)
+    seed: int  # image j of prompt i is seeded seed + i x num_images + j
+    num_steps: int
+    guidance_scale: float
+    batch_size: int
+    resolution: int
+
+
+def make_validator(
+    accelerator,
+    family,
+    reward,
+    reward_spec: str,
+    spec: ValidationSpec,
+    output_dir: str | Path,
+    *,
+    every: int,
+    unit: str,
+    last: int,
+    start: int,
+):
+    """The trainer's Validator, or None without a prompts file; the records of validations after `start` (from a
+    run that went further and was not resumed from there) are forgotten."""
+    if not spec.prompts_file:
         return None
-    validator = Validator(accelerator, family, reward, cfg.reward, cfg, every=every, unit=unit, last=last)
+    validator = Validator(
+        accelerator, family, reward, reward_spec, spec, output_dir, every=every, unit=unit, last=last
+    )
     validator.forget_after(start)
     return validator
 
@@ -83,11 +111,22 @@ def make_validator(accelerator, family, reward, cfg, *, every: int, unit: str, l
 class Validator:
     """Validates the family's current weights on the validation prompts; see the module doc.
 
-    `reward` is the trainer's reward (refl_ddpo.rewards), `reward_spec` its --reward string; `every` is N in the
-    trainer's `unit`, 0 for only before the first and after the last."""
+    `reward` is the trainer's reward (refl_ddpo.rewards), `reward_spec` its --reward string; `spec` what to draw;
+    files go to output_dir/validation; `every` is N in the trainer's `unit`, 0 for only before the first and after
+    the last."""
 
     def __init__(
-        self, accelerator, family, reward, reward_spec: str, cfg, *, every: int, unit: str, last: int
+        self,
+        accelerator,
+        family,
+        reward,
+        reward_spec: str,
+        spec: ValidationSpec,
+        output_dir: str | Path,
+        *,
+        every: int,
+        unit: str,
+        last: int,
     ):
         from refl_ddpo.generate import plan_images
         from refl_ddpo.prompts import resolve_prompts
@@ -99,13 +138,11 @@ class Validator:
             reward_spec,
         )
         self.every, self.unit, self.last = every, unit, last
-        self.specs = plan_images(
-            resolve_prompts(cfg.validation_prompts_file), cfg.num_validation_images, cfg.seed
-        )
-        self.per_prompt = cfg.num_validation_images
-        self.num_steps, self.guidance_scale = cfg.validation_num_steps, cfg.validation_guidance_scale
-        self.batch_size, self.resolution = cfg.validation_batch_size, cfg.resolution
-        self.folder = Path(cfg.output_dir) / VALIDATION_DIR
+        self.specs = plan_images(resolve_prompts(spec.prompts_file), spec.num_images, spec.seed)
+        self.per_prompt = spec.num_images
+        self.num_steps, self.guidance_scale = spec.num_steps, spec.guidance_scale
+        self.batch_size, self.resolution = spec.batch_size, spec.resolution
+        self.folder = Path(output_dir) / VALIDATION_DIR
         # The family's first sampler is its deterministic inference one (DDIM / flow Euler), run with eta 0.
         self.scheduler_name = next(iter(family.schedulers.values()))
         self.scheduler = family.scheduler(self.scheduler_name)

@@ -383,12 +383,10 @@ def test_each_start_is_a_new_log_run(tmp_path):
         project_configuration=SimpleNamespace(logging_dir=None),
         init_trackers=init_trackers,
     )
-    cfg = SimpleNamespace(
-        output_dir=str(tmp_path), logging_dir="logs", report_to="all", to_dict=lambda: {"a": [1]}
-    )
+    where = {"output_dir": str(tmp_path), "logging_dir": "logs"}
     assert next_log_run(tmp_path / "logs") == "run-1"
-    assert start_trackers(accelerator, cfg, "refl") == "run-1"
-    assert start_trackers(accelerator, cfg, "refl") == "run-2"
+    assert start_trackers(accelerator, "refl", {"a": [1]}, report_to="all", **where) == "run-1"
+    assert start_trackers(accelerator, "refl", {"a": [1]}, report_to="all", **where) == "run-2"
     assert (tmp_path / "logs" / "run-1" / "refl").is_dir() and (tmp_path / "logs" / "run-2" / "refl").is_dir()
     assert calls[1] == ("refl", {"wandb": {"dir": str(tmp_path / "logs"), "name": "refl-run-2"}})
-    assert start_trackers(accelerator, SimpleNamespace(report_to="none"), "refl") is None
+    assert start_trackers(accelerator, "refl", {}, report_to="none", **where) is None

@@ -310,7 +310,7 @@ def test_overwrite_clears_the_old_run_and_claims_the_folder(
     assert sorted(p.name for p in copy.iterdir()) == ["notes.txt", "run.json"]
     assert json.loads((copy / "run.json").read_text())["run_id"] == info.run_id
     assert "deleted checkpoint-1, checkpoint-2" in capsys.readouterr().out
-    runs.release_run(cfg)  # a user error before anything was written gives the folder back
+    runs.release_run(cfg.output_dir)  # a user error before anything was written gives the folder back
     assert sorted(p.name for p in copy.iterdir()) == ["notes.txt"]
 
 

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,8 @@ from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.trainers.ddpo_config import DDPOConfig
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.refl_config import ReFLConfig
-from refl_ddpo.validation import VALIDATION_DIR, Validator, validation_files
+from refl_ddpo.trainers.skeleton import validation_spec
+from refl_ddpo.validation import VALIDATION_DIR, ValidationSpec, Validator, validation_files
 
 REPO = Path(__file__).resolve().parent.parent
 RES = 32
@@ -36,18 +36,17 @@ def prompts_file(tmp_path) -> Path:
     return path
 
 
-def _validation_cfg(out: Path, prompts_file: Path, **kw) -> SimpleNamespace:
+def _validation_spec(prompts_file: Path, **kw) -> ValidationSpec:
     values = {
-        "validation_prompts_file": str(prompts_file),
-        "num_validation_images": 2,
-        "validation_num_steps": 3,
-        "validation_guidance_scale": 7.5,
-        "validation_batch_size": 3,  # not a multiple of the images per prompt: the batches cut across prompts
+        "prompts_file": str(prompts_file),
+        "num_images": 2,
+        "num_steps": 3,
+        "guidance_scale": 7.5,
+        "batch_size": 3,  # not a multiple of the images per prompt: the batches cut across prompts
         "resolution": RES,
         "seed": 5,
-        "output_dir": str(out),
     }
-    return SimpleNamespace(**{**values, **kw})
+    return ValidationSpec(**{**values, **kw})
 
 
 # ---- the validator ----
@@ -78,8 +77,10 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
     family.network.train()
     spec = "jpeg_compressibility:1.0,jpeg_incompressibility:0.5"
     reward = build_reward(spec, "cpu")
-    cfg = _validation_cfg(tmp_path, prompts_file)
-    validator = Validator(_accelerator(), family, reward, spec, cfg, every=2, unit="step", last=5)
+    validation = _validation_spec(prompts_file)
+    validator = Validator(
+        _accelerator(), family, reward, spec, validation, tmp_path, every=2, unit="step", last=5
+    )
 
     rng = torch.random.get_rng_state()
     first = validator(0, 0)
@@ -147,10 +148,18 @@ def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path,
     family = load_family(str(tiny_models / "tiny-sd3"))
     add_lora(family.network, 4, 4, list(family.lora_target_modules), init="random")
     res = family.native_resolution
-    cfg = _validation_cfg(tmp_path, prompts_file, num_validation_images=1, resolution=res)
+    validation = _validation_spec(prompts_file, num_images=1, resolution=res)
     reward = build_reward("jpeg_compressibility", "cpu")
     result = Validator(
-        _accelerator(), family, reward, "jpeg_compressibility", cfg, every=0, unit="epoch", last=1
+        _accelerator(),
+        family,
+        reward,
+        "jpeg_compressibility",
+        validation,
+        tmp_path,
+        every=0,
+        unit="epoch",
+        last=1,
     )(0, 0)
     assert result.grid.name == "epoch-0.png" and set(result.metrics) == {
         "validation/jpeg_compressibility/mean",
@@ -265,7 +274,15 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
         ReFLConfig, ["--preset", "toy_world", "--max_train_steps", "10", "--lora_target_modules", "to_q"]
     )
     model_card(
-        tmp_path, cfg, "refl", "sd", "UNet2DConditionModel", "unet", {"optimizer steps": 10}, "me/toy"
+        tmp_path,
+        cfg.to_dict(),
+        validation_spec(cfg),
+        "refl",
+        "sd",
+        "UNet2DConditionModel",
+        "unet",
+        {"optimizer steps": 10},
+        "me/toy",
     ).save(tmp_path / CARD_NAME)
     card = ModelCard.load(tmp_path / CARD_NAME)
     assert card.data.library_name == "diffusers" and {"refl_ddpo", "refl", "lora"} <= set(card.data.tags)
@@ -289,14 +306,23 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
         ["--pretrained_model", "org/sd3-model", "--no-use_lora", "--output_dir", str(tmp_path / "g")],
     )
     card = model_card(
-        tmp_path / "g", full, "grpo", "sd3", "SD3Transformer2DModel", "transformer", {"epochs": 3}
+        tmp_path / "g",
+        full.to_dict(),
+        validation_spec(full),
+        "grpo",
+        "sd3",
+        "SD3Transformer2DModel",
+        "transformer",
+        {"epochs": 3},
     )
     assert card.data.base_model == "org/sd3-model"
     assert "transformer = SD3Transformer2DModel.from_pretrained(" in card.text and "group_size" in card.text
     assert "No validation ran" in card.text
 
     draft = parse_config(ReFLConfig, ["--preset", "toy_world", "--backprop_steps", "3"])
-    text = model_card(tmp_path, draft, "refl", "sd", "UNet2DConditionModel", "unet", {}).text
+    text = model_card(
+        tmp_path, draft.to_dict(), validation_spec(draft), "refl", "sd", "UNet2DConditionModel", "unet", {}
+    ).text
     assert "DRaFT-K / AlignProp" in text and "| backprop_steps | `3` |" in text
 
 
@@ -306,12 +332,19 @@ def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_pa
 
     cfg = parse_config(ReFLConfig, ["--preset", "toy_world", "--output_dir", str(tmp_path)])
     _fake_validation(tmp_path)
-    model_card(tmp_path, cfg, "refl", "sd", "UNet2DConditionModel", "unet", {"optimizer steps": 1}).save(
-        tmp_path / CARD_NAME
-    )
-    assert set(clear_run(cfg, tmp_path)) == {VALIDATION_DIR, CARD_NAME}
+    model_card(
+        tmp_path,
+        cfg.to_dict(),
+        validation_spec(cfg),
+        "refl",
+        "sd",
+        "UNet2DConditionModel",
+        "unet",
+        {"optimizer steps": 1},
+    ).save(tmp_path / CARD_NAME)
+    assert set(clear_run(tmp_path, cfg.logging_dir)) == {VALIDATION_DIR, CARD_NAME}
     (tmp_path / CARD_NAME).write_text("# my notes\n")
-    assert clear_run(cfg, tmp_path) == [] and (tmp_path / CARD_NAME).is_file()
+    assert clear_run(tmp_path, cfg.logging_dir) == [] and (tmp_path / CARD_NAME).is_file()
 
 
 # ---- end to end: validation, tensorboard + wandb, card, push, load back by id ----

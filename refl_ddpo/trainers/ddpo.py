@@ -186,7 +186,9 @@ class DDPO(EpochAlgorithm):
                 except FloatingPointError as e:
                     bar.close()
                     raise nonfinite_step_error(
-                        cfg, f"{e} in epoch {epoch + 1}", "lower --learning_rate, or check the reward"
+                        cfg.output_dir,
+                        f"{e} in epoch {epoch + 1}",
+                        "lower --learning_rate, or check the reward",
                     ) from None
                 for info in steps:
                     run.accelerator.log(

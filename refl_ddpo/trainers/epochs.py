@@ -48,7 +48,7 @@ def check_rewards(cfg: EpochConfig, rewards: torch.Tensor, epoch: int) -> torch.
             else "check the reward (or the model: do its images hold NaN?)"
         )
         raise nonfinite_step_error(
-            cfg,
+            cfg.output_dir,
             f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of {len(rewards)} samples in "
             f"epoch {epoch + 1}",
             fix,

@@ -199,7 +199,9 @@ class ForwardProcess(EpochAlgorithm):
                 except FloatingPointError as e:
                     bar.close()
                     raise nonfinite_step_error(
-                        cfg, f"{e} in epoch {epoch + 1}", "lower --learning_rate, or check the reward"
+                        cfg.output_dir,
+                        f"{e} in epoch {epoch + 1}",
+                        "lower --learning_rate, or check the reward",
                     ) from None
         decay = old_policy_decay(self.global_step, cfg.old_decay_flat, cfg.old_decay_rate, cfg.old_decay_max)
         soft_update_(self.old, run.params, decay)

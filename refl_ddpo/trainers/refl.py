@@ -319,7 +319,7 @@ class ReFL(Algorithm):
         if bad:
             self.progress.close()  # the error's line starts a line of its own
             raise nonfinite_step_error(
-                cfg,
+                cfg.output_dir,
                 f"--reward {cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of {len(rewards)} samples at "
                 f"step {step + 1}",
                 "check the reward and its files in --reward_model_dir",
@@ -334,7 +334,7 @@ class ReFL(Algorithm):
             self.progress.close()
             loss = sum(r.parts["refl"] for r in results) / self.cfg.gradient_accumulation_steps
             raise nonfinite_step_error(
-                self.cfg,
+                self.cfg.output_dir,
                 f"the gradient norm is {grad_norm} at step {step + 1} (ReFL loss {loss:.4g})",
                 "lower --learning_rate or --grad_scale, or check the reward's gradient",
             )

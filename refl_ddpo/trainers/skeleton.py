@@ -22,13 +22,17 @@ from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from refl_ddpo.config import CommonConfig
 from refl_ddpo.families import ModelFamily
 from refl_ddpo.runs import RunInfo
+
+if TYPE_CHECKING:
+    from refl_ddpo.training import TrainableSpec
+    from refl_ddpo.validation import ValidationSpec
 
 
 @dataclass
@@ -169,6 +173,35 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     return cfg
 
 
+def trainable_spec(cfg: CommonConfig) -> TrainableSpec:
+    """Which weights the run trains (--use_lora, --lora_*, --gradient_checkpointing)."""
+    from refl_ddpo.training import TrainableSpec
+
+    return TrainableSpec(
+        use_lora=cfg.use_lora,
+        rank=cfg.lora_rank,
+        alpha=cfg.resolved_lora_alpha,
+        target_modules=tuple(cfg.lora_target_modules) if cfg.lora_target_modules else None,
+        init=cfg.lora_init,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
+
+
+def validation_spec(cfg: CommonConfig) -> ValidationSpec:
+    """How the run validates (--validation_*, --num_validation_images, --seed, the resolved --resolution)."""
+    from refl_ddpo.validation import ValidationSpec
+
+    return ValidationSpec(
+        prompts_file=cfg.validation_prompts_file,
+        num_images=cfg.num_validation_images,
+        seed=cfg.seed,
+        num_steps=cfg.validation_num_steps,
+        guidance_scale=cfg.validation_guidance_scale,
+        batch_size=cfg.validation_batch_size,
+        resolution=cfg.resolution,
+    )
+
+
 def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     """The checks, the accelerator, the hub repo and the models: (run, hub repo id). The config is resolved here
     once (the preflight, then the model's native resolution) and handed on; nothing writes to it afterwards."""
@@ -178,19 +211,37 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
 
     info = algo.preflight()
     cfg = algo.cfg  # as the preflight resolved it
-    accelerator = make_accelerator(cfg, algo.accumulation_steps())
+    accelerator = make_accelerator(
+        algo.accumulation_steps(),
+        mixed_precision=cfg.mixed_precision,
+        report_to=cfg.report_to,
+        output_dir=cfg.output_dir,
+        logging_dir=cfg.logging_dir,
+        device=cfg.device,
+        allow_tf32=cfg.allow_tf32,
+    )
     algo.check_processes(accelerator.num_processes)
     repo_id = None
     if cfg.push_to_hub and accelerator.is_main_process:
-        from refl_ddpo.hub import create_hub_repo
+        from refl_ddpo.hub import create_hub_repo, repo_name
 
-        repo_id = create_hub_repo(cfg)  # before loading: a wrong token or id fails at once
+        # before loading: a wrong token or id fails at once
+        repo_id = create_hub_repo(repo_name(cfg.hub_model_id, cfg.output_dir), cfg.hub_token)
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
-    family, params, dtype = load_trainable_family(accelerator, cfg)
+    family, params, dtype = load_trainable_family(
+        accelerator, cfg.pretrained_model, trainable_spec(cfg), drop_t5=cfg.drop_t5
+    )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
     algo.setup(run)
-    run.optimizer = make_optimizer(params, cfg)
+    run.optimizer = make_optimizer(
+        params,
+        learning_rate=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.adam_weight_decay,
+        eps=cfg.adam_epsilon,
+        use_8bit_adam=cfg.use_8bit_adam,
+    )
     algo.setup_optimizer(run)
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
     return run, repo_id
@@ -202,7 +253,14 @@ def start(algo: Algorithm, run: Run) -> int:
     from refl_ddpo.training import print_config, start_trackers
 
     cfg, accelerator, resume = run.cfg, run.accelerator, run.info.resume
-    start_trackers(accelerator, cfg, algo.name)
+    start_trackers(
+        accelerator,
+        algo.name,
+        cfg.to_dict(),
+        report_to=cfg.report_to,
+        output_dir=cfg.output_dir,
+        logging_dir=cfg.logging_dir,
+    )
     if accelerator.is_main_process:
         print_config(
             cfg, {**algo.describe(run), "processes": accelerator.num_processes, "resume from": resume}
@@ -218,18 +276,20 @@ def start(algo: Algorithm, run: Run) -> int:
 
 def run_training(algo: Algorithm) -> Path:
     """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
-    from refl_ddpo.checkpoints import save_checkpoint
     from refl_ddpo.training import check_identical_weights, save_final
     from refl_ddpo.validation import make_validator
 
     run, repo_id = set_up(algo)
     cfg, accelerator = run.cfg, run.accelerator
+    validation = validation_spec(cfg)
     first = start(algo, run)
     validator = make_validator(
         accelerator,
         run.family,
         run.reward,
-        cfg,
+        cfg.reward,
+        validation,
+        cfg.output_dir,
         every=algo.validation_every,
         unit=algo.unit,
         last=algo.iterations,
@@ -250,19 +310,49 @@ def run_training(algo: Algorithm) -> Path:
             if validator is not None and validator.due(done):
                 validate(done)
             if algo.checkpoint_due(done):
-                path = save_checkpoint(accelerator, cfg, done, *algo.state(run, done), run.info)
-                if accelerator.is_local_main_process:
-                    from tqdm.auto import tqdm
-
-                    tqdm.write(f"saved {path}")
+                checkpoint(algo, run, done)
     finally:
         algo.end(run)
     # the result: always, at the top of output_dir
     progress = algo.finish(run)
-    save_final(accelerator, run.network, cfg, run.family, algo.name, progress, repo_id, run.info.run_id)
+    save_final(
+        accelerator,
+        run.network,
+        run.family,
+        algo.name,
+        progress,
+        output_dir=cfg.output_dir,
+        config=cfg.to_dict(),
+        validation=validation,
+        repo_id=repo_id,
+        hub_token=cfg.hub_token,
+        run_id=run.info.run_id,
+    )
     check_identical_weights(accelerator, run.params)
     accelerator.end_training()
     return Path(cfg.output_dir)
+
+
+def checkpoint(algo: Algorithm, run: Run, done: int) -> Path:
+    """output_dir/checkpoint-N after `done` iterations: accelerate's state, the algorithm's, the run's record."""
+    from refl_ddpo.checkpoints import save_checkpoint
+    from refl_ddpo.resume_fit import settings
+
+    cfg = run.cfg
+    path = save_checkpoint(
+        run.accelerator,
+        cfg.output_dir,
+        done,
+        *algo.state(run, done),
+        run.info,
+        settings=settings(cfg),
+        total_limit=cfg.checkpoints_total_limit,
+    )
+    if run.accelerator.is_local_main_process:
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"saved {path}")
+    return path
 
 
 def main_for(algorithm: type[Algorithm], config_cls: type, argv: list[str] | None, description: str) -> None:
