@@ -2,9 +2,9 @@
 diffusers format.
 
 A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names under the pipeline's prefix, `unet.`
-for SD 1.x/2.x and SDXL, `transformer.` for SD3, the LoRA config in its metadata) and loads into a stock pipeline
-with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)` (or `StableDiffusionXLPipeline`,
-`StableDiffusion3Pipeline`).
+for SD 1.x/2.x and SDXL, `transformer.` for SD3 and FLUX.1, the LoRA config in its metadata) and loads into a stock
+pipeline with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)` (or `StableDiffusionXLPipeline`,
+`StableDiffusion3Pipeline`, `FluxPipeline`).
 Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
 """
 
@@ -33,6 +33,7 @@ _PEFT_INIT = {"gaussian": "gaussian", "default": True, "random": False}
 _LORA_FORMATS = {
     "UNet2DConditionModel": ("StableDiffusionPipeline", "unet", True),
     "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
+    "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
 }
 
 

@@ -105,8 +105,9 @@ FAMILIES = {
     "sd": "Stable Diffusion 1.x / 2.x (UNet)",
     "sd3": "Stable Diffusion 3 / 3.5 (MMDiT, flow matching)",
     "sdxl": "Stable Diffusion XL (UNet, two CLIP text encoders)",
+    "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
 }
-TAGS = {"sd": "stable-diffusion", "sd3": "stable-diffusion-3", "sdxl": "stable-diffusion-xl"}
+TAGS = {"sd": "stable-diffusion", "sd3": "stable-diffusion-3", "sdxl": "stable-diffusion-xl", "flux": "flux"}
 
 
 def _value(v) -> str:

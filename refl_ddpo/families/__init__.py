@@ -20,6 +20,7 @@ FAMILIES = {
     "StableDiffusionPipeline": ("refl_ddpo.families.sd", "StableDiffusion"),
     "StableDiffusion3Pipeline": ("refl_ddpo.families.sd3", "StableDiffusion3"),
     "StableDiffusionXLPipeline": ("refl_ddpo.families.sdxl", "StableDiffusionXL"),
+    "FluxPipeline": ("refl_ddpo.families.flux", "Flux"),
 }
 
 
