@@ -264,8 +264,12 @@ class ForwardProcess(EpochAlgorithm):
         return out
 
     def predict(self, run: Run, draw: Draw, cond, network) -> torch.Tensor:
-        """The network's output at the draw's x_t, conditional only (no CFG in training)."""
-        return run.family.predict(draw.x_t, draw.timesteps, self.scheduler, cond, None, 1.0, network)
+        """The network's output at the draw's x_t, conditional only (no CFG in training: no uncond). The sampling
+        guidance scale is passed for a family that embeds it as an input (FLUX.1-dev), so training conditions on
+        the guidance the samples were drawn with; the others ignore it without an uncond."""
+        return run.family.predict(
+            draw.x_t, draw.timesteps, self.scheduler, cond, None, self.cfg.sample_guidance_scale, network
+        )
 
     def base_output(self, run: Run, draw: Draw, cond) -> torch.Tensor | None:
         """The base model's output (LoRA switched off) when --kl_weight > 0, else None."""
