@@ -15,6 +15,9 @@ from typing import Any, ClassVar, Literal
 
 from refl_ddpo.errors import UserError
 
+# Appended to the help of every guidance-scale flag: FLUX.1's guidance is an input of the network (families/flux.py).
+FLUX_GUIDANCE = " FLUX.1-dev takes it as its embedded guidance instead (the pipeline's default is 3.5; schnell ignores it)."
+
 
 def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, ...] = (), **kw) -> Any:
     """A dataclass field with a help sentence; `group` starts a --help section that the fields after it share
@@ -159,7 +162,7 @@ class CommonConfig(ConfigBase):
     drop_t5: bool = field_(
         False,
         "SD3: load without the T5 text encoder (saves about 9 GB for SD3.5; SD3 was trained to work without it). "
-        "A folder without text_encoder_3 loads without T5 anyway.",
+        "A folder without text_encoder_3 loads without T5 anyway. FLUX.1 refuses it (T5 reads its prompt).",
     )
     reward_model_dir: str = field_(
         "checkpoint",
@@ -188,7 +191,8 @@ class CommonConfig(ConfigBase):
     )
     num_inference_steps: int = field_(40, "Denoising steps of the sampler.")
     guidance_scale: float = field_(
-        7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off)."
+        7.5,
+        "Classifier-free guidance scale used when sampling (1 turns CFG off)." + FLUX_GUIDANCE,
     )
     learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation", gt=0)
     adam_beta1: float = field_(0.9, "AdamW beta1.", ge=0, lt=1)
@@ -215,7 +219,8 @@ class CommonConfig(ConfigBase):
     lora_target_modules: list[str] | None = field_(
         None,
         "Module names of the network that get LoRA adapters; default: the model family's (SD 1.x/2.x and SDXL: "
-        "to_q to_k to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out).",
+        "to_q to_k to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out; FLUX.1: SD3's and "
+        "proj_mlp proj_out).",
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",
@@ -264,10 +269,12 @@ class CommonConfig(ConfigBase):
     validation_num_steps: int = field_(
         40,
         "Steps of the validation sampler, the long deterministic one: DDIM with eta 0 (SD 1.x/2.x) or the flow "
-        "ODE (SD3), as inference.py runs them.",
+        "ODE (SD3, FLUX.1), as inference.py runs them.",
     )
     validation_guidance_scale: float = field_(
-        7.5, "Classifier-free guidance of the validation sampler (1 turns CFG off).", ge=0
+        7.5,
+        "Classifier-free guidance of the validation sampler (1 turns CFG off)." + FLUX_GUIDANCE,
+        ge=0,
     )
     validation_batch_size: int = field_(
         4, "Validation images per network batch: memory and speed (the images change only by float rounding)."

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from refl_ddpo.config import ConfigBase, field_
+from refl_ddpo.config import FLUX_GUIDANCE, ConfigBase, field_
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME, check_lora_dir, read_saved_config
 from refl_ddpo.models import check_pretrained_model
@@ -46,7 +46,8 @@ class InferenceConfig(ConfigBase):
     )
     drop_t5: bool = field_(
         False,
-        "SD3: load without the T5 text encoder (a folder without text_encoder_3 loads without it anyway).",
+        "SD3: load without the T5 text encoder (a folder without text_encoder_3 loads without it anyway). FLUX.1 "
+        "refuses it (T5 reads its prompt).",
     )
     reward_model_dir: str = field_(
         "checkpoint",
@@ -69,12 +70,14 @@ class InferenceConfig(ConfigBase):
     )
     num_images_per_prompt: int = field_(4, "Images generated for each prompt (each with its own seed).")
     num_inference_steps: int = field_(50, "Denoising steps of the sampler.")
-    guidance_scale: float = field_(7.5, "Classifier-free guidance scale (1 or less turns CFG off).")
+    guidance_scale: float = field_(
+        7.5, "Classifier-free guidance scale (1 or less turns CFG off)." + FLUX_GUIDANCE
+    )
     scheduler: Literal["ddim", "euler"] | None = field_(
         None,
         "Sampler, built from the model's scheduler config: ddim (SD 1.x/2.x, SDXL; eta 0 is deterministic) or "
-        "euler (SD 1.x/2.x's and SDXL's Euler, or SD3's flow-matching one); default: the model family's first (ddim "
-        "for SD 1.x/2.x and SDXL, euler for SD3).",
+        "euler (SD 1.x/2.x's and SDXL's Euler, or the flow-matching one of SD3 and FLUX.1); default: the model "
+        "family's first (ddim for SD 1.x/2.x and SDXL, euler for SD3 and FLUX.1).",
     )
     eta: float = field_(
         0.0, "DDIM eta: 0 is deterministic DDIM, 1 is DDPM-like noise (drawn from each image's seed)."

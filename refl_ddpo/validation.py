@@ -4,8 +4,9 @@ Every trainer validates the same way (`Validator`), before its first step, every
 DDPO / GRPO: epochs) and after its last:
 
     image j of prompt i      seeded --seed + i x num_validation_images + j (`refl_ddpo.generate.plan_images`)
-    sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x, SDXL), the flow ODE (SD3),
-                             --validation_num_steps steps, CFG --validation_guidance_scale (`generate_batch`)
+    sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x, SDXL), the flow ODE (SD3,
+                             FLUX.1), --validation_num_steps steps, CFG --validation_guidance_scale (FLUX.1-dev:
+                             its embedded guidance) (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
                              each part), logged to every tracker with a captioned grid `validation/images`
     files                    output_dir/validation/{step|epoch}-N.png (the grid) and .json (the model family, the

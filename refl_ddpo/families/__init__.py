@@ -39,11 +39,16 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
 
 def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
-    its T5 text encoder)."""
+    its T5 text encoder; refused for FLUX.1, which needs its T5)."""
     from refl_ddpo.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
     cls = family_class(pipeline_class)
+    if drop_t5 and pipeline_class == "FluxPipeline":
+        raise UserError(
+            f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
+            "so it cannot run without it; leave --drop_t5 off."
+        )
     return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
 
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from refl_ddpo.config import CommonConfig, field_
+from refl_ddpo.config import FLUX_GUIDANCE, CommonConfig, field_
 from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import check_prompt_source, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
@@ -47,7 +47,7 @@ class EpochConfig(CommonConfig):
         50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
     )
     sample_guidance_scale: float = field_(
-        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)."
+        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)." + FLUX_GUIDANCE
     )
     sample_batch_size: int = field_(1, "Images per sampling batch, per GPU.")
     sample_num_batches_per_epoch: int = field_(

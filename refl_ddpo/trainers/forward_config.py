@@ -27,7 +27,9 @@ class ForwardConfig(GroupConfig):
     )
     sample_guidance_scale: float = field_(
         1.0,
-        "CFG scale when sampling (1 = CFG-free, as both papers; training never uses CFG).",
+        "CFG scale when sampling (1 = CFG-free, as both papers; training never uses CFG). FLUX.1-dev takes it as "
+        "its embedded guidance instead, in sampling and training (the pipeline's default is 3.5; schnell ignores "
+        "it).",
     )
     sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
     sample_num_batches_per_epoch: int = field_(

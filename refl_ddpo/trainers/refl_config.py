@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from refl_ddpo.config import CommonConfig, field_
+from refl_ddpo.config import FLUX_GUIDANCE, CommonConfig, field_
 from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import DATA_DIR
 
@@ -77,7 +77,8 @@ class ReFLConfig(CommonConfig):
     eta: float = field_(0.0, "DDIM eta of the rollout (0 = deterministic); only with --scheduler ddim.")
     guidance_scale: float = field_(
         1.0,
-        "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference.",
+        "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference."
+        + FLUX_GUIDANCE,
     )
     max_train_steps: int = field_(100, "Optimizer steps to train for (the total, also when resuming).")
     total_batch_size: int | None = field_(
