@@ -143,6 +143,8 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path):
         "stable-diffusion/model_index.json",
         "tiny-sd3/model_index.json",
         "tiny-sdxl/model_index.json",
+        "tiny-flux/model_index.json",
+        "tiny-flux-schnell/model_index.json",
         "ImageReward.pt",
         "med_config.json",
         "bert-base-uncased/vocab.txt",

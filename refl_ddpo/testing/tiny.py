@@ -8,6 +8,8 @@ writes
                             a T5 with their tokenizers, flow-matching scheduler)
     OUT/tiny-sdxl/          Stable Diffusion XL layout (UNet with added text / time conditions, vae, text_encoder
                             and text_encoder_2 with their tokenizers, Euler scheduler)
+    OUT/tiny-flux/, OUT/tiny-flux-schnell/   FLUX.1 layout, dev-like (guidance embedding) and schnell-like
+                            (refl_ddpo.testing.tiny_flux)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -296,13 +298,14 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
     """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
-    from refl_ddpo.testing import tiny_rewards
+    from refl_ddpo.testing import tiny_flux, tiny_rewards
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_tiny_stable_diffusion(out, seed)
     write_tiny_stable_diffusion_3(out, seed)
     write_tiny_stable_diffusion_xl(out, seed)
+    tiny_flux.write_tiny_flux(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)
     tiny_rewards.write_aesthetic(out / "aesthetic", seed=seed)
     tiny_rewards.write_clip(out, seed=seed)

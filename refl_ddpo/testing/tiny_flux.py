@@ -1,0 +1,111 @@
+"""Tiny random FLUX.1 folders in the real diffusers layout (refl_ddpo.testing.tiny writes them):
+
+    OUT/tiny-flux/          FLUX.1-dev-like: a FluxTransformer2DModel with the guidance embedding, the scheduler of
+                            FLUX.1-dev (shift 3.0, dynamic shifting between 256 and 4096 image tokens)
+    OUT/tiny-flux-schnell/  FLUX.1-schnell-like: the same parts, a transformer without the guidance embedding and
+                            schnell's scheduler (shift 1.0, no dynamic shifting)
+
+Both have a 16-channel VAE with FLUX.1's scaling and shift factors (no quant convs), a CLIP text encoder (its pooled
+output) and a T5 encoder with their tokenizers, built offline. At 32 px: 16 x 16 latents, 64 image tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from refl_ddpo.testing.tiny_parts import clip_tokenizer, t5_tokenizer, tiny_clip_config
+
+# The scheduler_config.json settings of FLUX.1-dev and FLUX.1-schnell.
+DEV_SCHEDULER = {
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+
+
+def _parts(seed: int) -> dict:
+    """VAE, CLIP, T5 and tokenizers, the same for both folders."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = clip_tokenizer()
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=16,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
+        scaling_factor=0.3611,  # FLUX.1's
+        shift_factor=0.1159,  # FLUX.1's
+        use_quant_conv=False,  # FLUX.1's VAE has none
+        use_post_quant_conv=False,
+    )
+    torch.manual_seed(seed + 2)
+    text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
+    torch.manual_seed(seed + 3)
+    t5_tok = t5_tokenizer()
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=1,
+            num_heads=4,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+        )
+    )
+    return {
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "text_encoder_2": t5,
+        "tokenizer_2": t5_tok,
+    }
+
+
+def write_tiny_flux(out: Path, seed: int = 0) -> tuple[Path, Path]:
+    """OUT/tiny-flux/ and OUT/tiny-flux-schnell/ (see the module doc); returns both paths."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    parts = _parts(seed)
+    paths = []
+    for dirname, guidance_embeds, scheduler in [
+        ("tiny-flux", True, DEV_SCHEDULER),
+        ("tiny-flux-schnell", False, SCHNELL_SCHEDULER),
+    ]:
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,  # 16 latent channels x the 2 x 2 packing
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=64,  # T5's width
+            pooled_projection_dim=32,  # CLIP's pooled output
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        )
+        pipe = FluxPipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
+            **parts,
+        )
+        path = Path(out) / dirname
+        pipe.save_pretrained(path, safe_serialization=True)
+        paths.append(path)
+    return paths[0], paths[1]

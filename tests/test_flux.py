@@ -1,0 +1,374 @@
+"""The FLUX.1 family on the tiny random FLUX folders (dev-like with the guidance embedding, schnell-like without):
+loading by model_index.json, prompt encoding and the loop vs the stock FluxPipeline (embedded guidance, true CFG,
+the resolution-dependent shift), packing at the network call, the reward gradient, every trainer for two steps,
+ReFL / GRPO / DDPO LoRAs in the stock `load_lora_weights`, the card and validation naming the family, and a resumed
+ReFL run equal to the uninterrupted one."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline
+from helpers import script_env, trainer_flags
+
+from refl_ddpo.families import cond_expand, family_class, load_family
+from refl_ddpo.families.flux import Flux
+from refl_ddpo.sampling import denoise
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
+
+PROMPTS = ["a photo of a cat", "a red bird"]
+RES = 32
+SEEDS = [3, 7]  # one CPU generator per image, as the inference scripts draw
+REPO = Path(__file__).resolve().parent.parent
+DEV, SCHNELL = "tiny-flux", "tiny-flux-schnell"
+
+
+def _stock(path) -> FluxPipeline:
+    pipe = FluxPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_models):
+    return {name: _stock(tiny_models / name) for name in (DEV, SCHNELL)}
+
+
+def _generators():
+    return [torch.Generator().manual_seed(s) for s in SEEDS]
+
+
+def test_load_family_picks_flux_from_model_index(tiny_models):
+    family = load_family(str(tiny_models / DEV))
+    assert isinstance(family, Flux) and family_class("FluxPipeline") is Flux
+    assert family.network.config.guidance_embeds and family.vae.config.latent_channels == 16
+    assert family.native_resolution == 128 * family.vae_scale_factor  # the pipeline's default height
+    assert not any(p.requires_grad for p in family.network.parameters())
+    assert not load_family(str(tiny_models / SCHNELL)).network.config.guidance_embeds
+
+
+def test_drop_t5_is_refused_in_one_line(tiny_models):
+    from refl_ddpo.errors import UserError
+
+    with pytest.raises(UserError, match="cannot run without it"):
+        load_family(str(tiny_models / DEV), drop_t5=True)
+
+
+def test_encode_prompts_equal_the_stock_encode_prompt(stock):
+    family = Flux(stock[DEV])
+    assert (
+        family.encode_prompts(PROMPTS, with_negative=True)[1] is None
+    )  # true CFG off: no negative to encode
+    family.true_cfg_scale = 4.0
+    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+    with torch.no_grad():  # as the pipeline's __call__
+        embeds, pooled, text_ids = stock[DEV].encode_prompt(PROMPTS, prompt_2=None, device="cpu")
+        empty, empty_pooled, _ = stock[DEV].encode_prompt([""] * 2, device="cpu")
+    assert cond["prompt_embeds"].shape == (2, 512, 64) and cond["pooled_prompt_embeds"].shape == (2, 32)
+    assert torch.equal(cond["prompt_embeds"], embeds) and torch.equal(cond["pooled_prompt_embeds"], pooled)
+    assert torch.equal(family.text_ids(embeds), text_ids)
+    assert torch.equal(uncond["prompt_embeds"], empty) and torch.equal(
+        uncond["pooled_prompt_embeds"], empty_pooled
+    )
+
+
+def test_pack_unpack_and_noise_are_the_pipelines(stock):
+    family = Flux(stock[DEV])
+    noise = family.initial_noise(2, RES, _generators(), torch.float32)
+    assert noise.shape == (2, 16, 16, 16)
+    packed, _ = stock[DEV].prepare_latents(2, 16, RES, RES, torch.float32, "cpu", _generators())
+    assert torch.equal(family.pack(noise), packed) and packed.shape == (2, 64, 64)
+    assert torch.equal(family.unpack(packed, 16, 16), noise)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        family.initial_noise(1, 30, None, torch.float32)
+
+
+def _images(family, guidance_scale, steps=4, uncond=False, resolution=RES):
+    with torch.no_grad():
+        cond, negative = family.encode_prompts(PROMPTS, with_negative=uncond)
+        noise = family.initial_noise(len(PROMPTS), resolution, _generators(), cond["prompt_embeds"].dtype)
+        scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+        out = denoise(family, scheduler, cond, negative, noise, steps, guidance_scale)
+        return family.decode(out.latents), out.timesteps
+
+
+def _stock_images(pipe, guidance_scale, steps=4, resolution=RES, **kw):
+    return pipe(
+        PROMPTS,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        generator=_generators(),
+        height=resolution,
+        width=resolution,
+        output_type="pt",
+        **kw,
+    ).images
+
+
+@pytest.mark.parametrize("name, guidance_scale", [(DEV, 3.5), (DEV, 1.0), (SCHNELL, 0.0)])
+def test_loop_reproduces_stock_pipeline(stock, name, guidance_scale, record_property):
+    family = Flux(stock[name])
+    ours, timesteps = _images(family, guidance_scale)
+    ref = _stock_images(stock[name], guidance_scale)
+    assert ours.shape == ref.shape == (2, 3, RES, RES)
+    diff = (ours - ref).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255
+    if name == SCHNELL:  # no dynamic shifting, shift 1: the plain linspace(1, 1/T, T) x 1000
+        assert timesteps.tolist() == [1000.0, 750.0, 500.0, 250.0]
+    else:  # shifted by mu(64 image tokens) = 0.5 - (1.15 - 0.5) / (4096 - 256) * 192
+        assert timesteps[1].item() == pytest.approx(827.2286, abs=1e-3)
+
+
+def test_guidance_embedding_and_resolution_shift_follow_the_pipeline(stock):
+    """Dev's embedded guidance changes the image (schnell's none); at 64 px (256 image tokens) mu is base_shift."""
+    dev, schnell = Flux(stock[DEV]), Flux(stock[SCHNELL])
+    assert (_images(dev, 3.5, steps=2)[0] - _images(dev, 7.0, steps=2)[0]).abs().max() > 1e-3
+    assert torch.equal(_images(schnell, 3.5, steps=2)[0], _images(schnell, 7.0, steps=2)[0])
+    ours, timesteps = _images(dev, 3.5, steps=2, resolution=64)
+    ref = _stock_images(stock[DEV], 3.5, steps=2, resolution=64)
+    assert (ours - ref).abs().max().item() <= 1 / 255
+    sigma = 0.5  # the second sigma of linspace(1, 1/2, 2), shifted with exp(mu = 0.5)
+    shifted = torch.exp(torch.tensor(0.5)) / (torch.exp(torch.tensor(0.5)) + (1 / sigma - 1))
+    assert timesteps[1].item() == pytest.approx(1000 * shifted.item(), abs=1e-3)
+
+
+def test_true_cfg_is_off_by_default_and_equals_the_pipelines_when_on(stock):
+    family = Flux(stock[DEV])
+    assert family.true_cfg_scale == 1.0
+    plain = _images(family, 3.5)[0]
+    with torch.no_grad():  # an uncond alone (the trainers' empty_cond) turns nothing on
+        cond = family.encode_prompts(PROMPTS, with_negative=False)[0]
+        scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+        noise = family.initial_noise(2, RES, _generators(), torch.float32)
+        empty = cond_expand(family.empty_cond(), 2)
+        out = denoise(family, scheduler, cond, empty, noise, 4, 3.5)
+        assert torch.equal(family.decode(out.latents), plain)
+    family.true_cfg_scale = 4.0
+    ours = _images(family, 3.5, uncond=True)[0]
+    ref = _stock_images(stock[DEV], 3.5, negative_prompt="", true_cfg_scale=4.0)
+    assert (ours - ref).abs().max().item() <= 1 / 255 and (ours - plain).abs().max() > 1e-3
+
+
+def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
+    """ReFL's path (no grad to step k, one step with grad, predicted x0, VAE decode) on FLUX's default targets,
+    the single blocks' projections included."""
+    from refl_ddpo.lora import add_lora
+
+    family = load_family(str(tiny_models / DEV))
+    network = family.network
+    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
+    names = [n for n, _ in network.named_parameters() if "lora_A" in n]
+    for part in (
+        "single_transformer_blocks.0.proj_mlp",
+        "single_transformer_blocks.0.attn.to_q",
+        "to_add_out",
+    ):
+        assert any(part in n for n in names), part
+    base_before = {n: p.detach().clone() for n, p in network.named_parameters() if "lora_" not in n}
+    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
+    noise = family.initial_noise(2, RES, _generators(), torch.float32)
+    out = denoise(
+        family,
+        family.scheduler("FlowMatchEulerDiscreteScheduler"),
+        cond,
+        None,
+        noise,
+        4,
+        3.5,
+        grad_steps={2},
+        stop_at=2,
+    )
+    family.decode(out.pred_original_sample).mean().backward()
+    for n, p in network.named_parameters():
+        if "lora_" in n:
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+    torch.optim.AdamW(params, lr=1e-2).step()
+    assert all(torch.equal(base_before[n], p) for n, p in network.named_parameters() if "lora_" not in n)
+
+
+# ---- the trainers, two steps each ----
+
+
+def _changes_stock_images(path: Path, lora_dir: Path) -> None:
+    """The LoRA in `lora_dir` loads in a stock FluxPipeline, every matrix into its layer, and changes its images."""
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+
+    kw = {"num_inference_steps": 3, "height": RES, "width": RES, "output_type": "pt"}
+    pipe = _stock(path)
+    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.load_lora_weights(str(lora_dir))
+    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    assert (before - after).abs().max() > 1e-4
+    saved = load_file(lora_dir / LORA_WEIGHTS_NAME)
+    loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_" in n]
+    assert saved and all(k.startswith("transformer.") for k in saved) and len(loaded) == len(saved)
+
+
+def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=DEV,
+        reward="jpeg_compressibility",
+        prompt_fn="simple_animals",
+        sample_num_steps=3,
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        sample_guidance_scale=3.5,
+        learning_rate="3e-2",
+        lora_init="random",
+        num_epochs=2,
+        device="cpu",
+        report_to="none",
+        **flags,
+    )
+
+
+def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=DEV,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        guidance_scale=3.5,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        **flags,
+    )
+
+
+def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_flux(
+    tiny_models, tmp_path, capsys
+):
+    """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's images;
+    the run, the validation files and the model card name the family."""
+    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.trainers import refl
+    from refl_ddpo.validation import validation_files
+
+    prompts = tmp_path / "validation.txt"
+    prompts.write_text("a photo of a cat\n")
+    out = tmp_path / "refl"
+    refl.main(
+        _refl_flags(
+            tiny_models,
+            out,
+            max_train_steps=2,
+            kl_weight=1,
+            validation_prompts_file=prompts,
+            num_validation_images=1,
+            validation_num_steps=3,
+            validation_guidance_scale=3.5,
+        )
+    )
+    assert "model family: flux" in capsys.readouterr().out
+    _changes_stock_images(tiny_models / DEV, out)
+    records = validation_files(out)
+    assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"flux"}
+    card = (out / CARD_NAME).read_text()
+    assert "| model family | FLUX.1" in card and "- flux" in card
+
+    # before / after inference with its scores, and the scored comparison, on this LoRA
+    import json
+
+    from refl_ddpo import compare, inference
+
+    common = ["--prompts_file", str(prompts), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
+    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2", "--resolution", str(RES)]
+    common += ["--guidance_scale", "3.5"]
+    before, after = tmp_path / "before", tmp_path / "after"
+    inference.main_base(["--pretrained_model", str(tiny_models / DEV), "--output_dir", str(before), *common])
+    inference.main_lora(["--lora_dir", str(out), "--output_dir", str(after), *common])
+    compare.run_compare(str(before), str(after), str(tmp_path / "cmp"))
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert result["count"] == 2 and result["mean_difference"] != 0
+
+
+@pytest.mark.parametrize(
+    "flags, described",
+    [
+        (["--backprop_steps", "2"], "DRaFT-2"),
+        (["--backprop_steps", "random:1-2"], "AlignProp"),
+        (["--backprop_steps", "1", "--draft_lv", "2"], "DRaFT-LV"),
+    ],
+)
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
+    from refl_ddpo.trainers import refl
+
+    out = tmp_path / "draft"
+    refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
+    assert described in capsys.readouterr().out
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
+    import subprocess
+
+    out = tmp_path / "grpo"
+    flags = _policy_flags(tiny_models, out, group_size=2, beta="0.04")
+    r = subprocess.run(
+        ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
+        cwd=REPO,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    _changes_stock_images(tiny_models / DEV, out)
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
+def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
+    import importlib
+
+    out = tmp_path / trainer
+    extra = {} if trainer == "ddpo" else {"group_size": 2}
+    importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
+    assert "epoch 2/2" in capsys.readouterr().out
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    if trainer == "ddpo":
+        _changes_stock_images(tiny_models / DEV, out)
+
+
+def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, capsys):
+    """4 ReFL steps with a checkpoint at 2; a run that stopped after checkpoint-2 (its folder holds only that) and
+    resumes from it ends with the bit-identical LoRA."""
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.trainers import refl
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    refl.main(_refl_flags(tiny_models, whole, max_train_steps=4, checkpointing_steps=2))
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    refl.main(
+        _refl_flags(
+            tiny_models,
+            resumed,
+            "--resume_from_checkpoint",
+            "latest",
+            max_train_steps=4,
+            checkpointing_steps=2,
+        )
+    )
+    assert f"resumed from {resumed / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    a, b = load_file(whole / LORA_WEIGHTS_NAME), load_file(resumed / LORA_WEIGHTS_NAME)
+    midway = load_file(whole / "checkpoint-2" / LORA_WEIGHTS_NAME)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(midway[k], a[k]) for k in a), "the resumed half did train"
