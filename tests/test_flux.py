@@ -372,3 +372,18 @@ def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
     midway = load_file(whole / "checkpoint-2" / LORA_WEIGHTS_NAME)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(midway[k], a[k]) for k in a), "the resumed half did train"
+
+
+@pytest.mark.parametrize("trainer", ["refl", "grpo"])
+def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_models, tmp_path):
+    """The schnell-like folder (no guidance embedding, no dynamic shifting) through reward backprop and GRPO."""
+    import importlib
+
+    out = tmp_path / trainer
+    if trainer == "refl":
+        flags = _refl_flags(tiny_models, out, max_train_steps=2)
+    else:
+        flags = _policy_flags(tiny_models, out, group_size=2)
+    flags[flags.index("--pretrained_model") + 1] = str(tiny_models / SCHNELL)
+    importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
+    _changes_stock_images(tiny_models / SCHNELL, out)
