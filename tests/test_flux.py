@@ -189,6 +189,64 @@ def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
     assert all(torch.equal(base_before[n], p) for n, p in network.named_parameters() if "lora_" not in n)
 
 
+def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
+    """DDPO's sample buffers carry FLUX's conditioning (T5 (N, 512, 64), pooled (N, 32)) and its (B, 16, h, w)
+    latents through stacking, shuffling and slicing; the first PPO step recomputes the flow SDE step's log-probs
+    (dev's embedded guidance 3.5): approx KL 0, nothing clipped."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from refl_ddpo.algorithms.policy import batch_advantages
+    from refl_ddpo.lora import add_lora
+    from refl_ddpo.ppo import train_on_samples
+    from refl_ddpo.rewards import build_reward
+    from refl_ddpo.rollouts import sample_epoch, stack_samples
+
+    torch.manual_seed(0)
+    family = load_family(str(tiny_models / DEV))
+    scheduler = family.policy_scheduler()
+    network = family.network
+    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
+    uncond = family.empty_cond()
+    prompts = iter(PROMPTS * 4)
+    kw = {"num_steps": 3, "guidance_scale": 3.5, "eta": 0.7}
+    batches = sample_epoch(
+        family,
+        scheduler,
+        lambda: (next(prompts), {}),
+        build_reward("jpeg_compressibility", "cpu"),
+        uncond,
+        batch_size=2,
+        num_batches=2,
+        resolution=RES,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
+    rewards = torch.cat([b.rewards[0] for b in batches])
+    samples = stack_samples(batches, batch_advantages(rewards).float())
+    assert samples["prompt_embeds"].shape == (4, 512, 64) and samples["pooled_prompt_embeds"].shape == (4, 32)
+    assert samples["next_latents"].shape == (4, 3, 16, 16, 16)  # (N, S, C, h, w): unpacked, as SD3's
+    AcceleratorState._reset_state()  # an earlier test's accelerator may have had another mixed precision
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
+    optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
+    steps = train_on_samples(
+        family,
+        network,
+        scheduler,
+        samples,
+        uncond,
+        accelerator,
+        optimizer,
+        params,
+        torch.Generator().manual_seed(1),
+        batch_size=2,
+        num_train_steps=kw["num_steps"],
+        clip_range=1e-4,
+        **kw,
+    )
+    assert steps[0]["approx_kl"] < 1e-10 and steps[0]["clipfrac"] == 0.0, steps[0]
+
+
 # ---- the trainers, two steps each ----
 
 
