@@ -74,6 +74,14 @@ def test_encode_prompts_equal_the_stock_encode_prompt(stock):
     )
 
 
+def test_a_prompt_is_said_truncated_only_past_t5s_512_tokens(stock, capsys):
+    family = Flux(stock[DEV])
+    family.encode_prompts(["a cat " * 30], with_negative=False)  # past CLIP's 77 tokens, within T5's 512
+    assert "truncated" not in capsys.readouterr().err
+    family.encode_prompts(["a cat " * 200], with_negative=False)  # 800 tokens of the tiny T5
+    assert "the text encoder reads 512" in capsys.readouterr().err
+
+
 def test_pack_unpack_and_noise_are_the_pipelines(stock):
     family = Flux(stock[DEV])
     noise = family.initial_noise(2, RES, _generators(), torch.float32)

@@ -45,14 +45,14 @@ class ModelFamily(ABC):
         logging.getLogger(type(pipe).__module__).setLevel(logging.ERROR)
 
     def check_prompt_lengths(self, prompts: list[str]) -> None:
-        """Say once per run (this family object) that a prompt is longer than the (first) text encoder reads and is
-        truncated; the pipeline's own warning at every batch is silenced."""
+        """Say once per run (this family object) that a prompt is longer than the text encoder of `prompt_reader`
+        reads and is truncated; the pipeline's own warning at every batch is silenced."""
         import sys
 
-        tokenizer = getattr(self.pipe, "tokenizer", None)
-        if self._truncation_said or tokenizer is None:
+        reader = self.prompt_reader()
+        if self._truncation_said or reader is None:
             return
-        limit = tokenizer.model_max_length
+        tokenizer, limit = reader
         for prompt in dict.fromkeys(prompts):
             if prompt in self._prompts_checked:
                 continue
@@ -68,6 +68,12 @@ class ModelFamily(ABC):
                 )
                 self._truncation_said = True
                 return
+
+    def prompt_reader(self):
+        """(the tokenizer of the text encoder that reads the prompt's text sequence, how many tokens it reads), or
+        None: the first CLIP and its model_max_length here."""
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        return None if tokenizer is None else (tokenizer, tokenizer.model_max_length)
 
     # ---- parts ----
     @property

@@ -57,6 +57,11 @@ class Flux(StableDiffusion3):
         """The pipeline's default image side: default_sample_size (128) x the VAE scale factor (1024 for FLUX.1)."""
         return int(self.pipe.default_sample_size) * self.vae_scale_factor
 
+    def prompt_reader(self):
+        """T5 and `max_sequence_length`: it reads the text sequence (CLIP, cut at 77 tokens, gives the pooled
+        vector only)."""
+        return self.pipe.tokenizer_2, self.max_sequence_length
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt` (T5's hidden states, CLIP's pooled output). The negative, the empty
