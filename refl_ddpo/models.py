@@ -161,7 +161,8 @@ def load_pipeline(
 ):
     """The pipeline of `name` (its model_index.json class unless given), no safety checker, every module frozen and
     in eval mode, in `dtype` (float32 by default) on `device`. `drop_t5`: an SD3 folder loads without its T5 text
-    encoder (much less memory; a folder without one loads so anyway); other families have none to drop."""
+    encoder (much less memory; a folder without one loads so anyway); SD 1.x / SDXL have none to drop, and FLUX.1
+    needs its T5 (families.load_family refuses drop_t5 for it before loading)."""
     import diffusers
     import torch
 

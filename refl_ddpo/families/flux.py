@@ -16,7 +16,8 @@ Guidance. The kit's `guidance_scale` is the pipeline's `guidance_scale`: the emb
 (`transformer.config.guidance_embeds`) takes as an input (the pipeline's default is 3.5; pass
 `--guidance_scale 3.5` for it), ignored by schnell (no guidance embedding, as in the pipeline). FLUX.1 is
 guidance-distilled, so true classifier-free guidance is off: `true_cfg_scale` (the pipeline's argument of that name,
-1.0 here) above 1 turns it on against the empty prompt, two network calls per step as the pipeline.
+1.0 here) above 1 turns it on against the empty prompt, two network calls per step as the pipeline (where the caller
+passes an uncond: the kit's callers encode one when `guidance_scale` > 1, or take `empty_cond()`).
 """
 
 from __future__ import annotations
