@@ -130,6 +130,16 @@ def test_loop_reproduces_stock_pipeline(stock, name, guidance_scale, record_prop
         assert timesteps[1].item() == pytest.approx(827.2286, abs=1e-3)
 
 
+def test_loop_reproduces_stock_pipeline_in_bfloat16(tiny_models, record_property):
+    path = tiny_models / DEV
+    family = load_family(str(path), dtype=torch.bfloat16)
+    pipe = FluxPipeline.from_pretrained(path, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    diff = (_images(family, 3.5)[0].float() - _stock_images(pipe, 3.5).float()).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255  # the stock postprocess rounds in bfloat16, ours decodes to float32
+
+
 def test_guidance_embedding_and_resolution_shift_follow_the_pipeline(stock):
     """Dev's embedded guidance changes the image (schnell's none); at 64 px (256 image tokens) mu is base_shift."""
     dev, schnell = Flux(stock[DEV]), Flux(stock[SCHNELL])
