@@ -285,7 +285,7 @@ def _changes_stock_images(path: Path, lora_dir: Path) -> None:
     assert saved and all(k.startswith("transformer.") for k in saved) and len(loaded) == len(saved)
 
 
-def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
+def _policy_flags(tiny_models, out: Path, *extra: str, num_epochs: int = 2, **flags) -> list[str]:
     return trainer_flags(
         tiny_models,
         out,
@@ -300,7 +300,7 @@ def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
         sample_guidance_scale=3.5,
         learning_rate="3e-2",
         lora_init="random",
-        num_epochs=2,
+        num_epochs=num_epochs,
         device="cpu",
         report_to="none",
         **flags,
@@ -448,6 +448,31 @@ def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
     midway = load_file(whole / "checkpoint-2" / LORA_WEIGHTS_NAME)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(midway[k], a[k]) for k in a), "the resumed half did train"
+
+
+def test_resumed_grpo_run_equals_the_uninterrupted_one(tiny_models, tmp_path, capsys):
+    """3 GRPO epochs (KL to the base on) with a checkpoint after each; a run that stopped after checkpoint-1 and
+    resumes from it ends with the bit-identical LoRA and train state."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.trainers import grpo
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    flags = {"group_size": 2, "beta": "0.04", "num_epochs": 3, "save_freq": 1}
+    grpo.main(_policy_flags(tiny_models, whole, **flags))
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-1", resumed / "checkpoint-1")
+    grpo.main(_policy_flags(tiny_models, resumed, "--resume_from_checkpoint", "latest", **flags))
+    assert "resumed from" in capsys.readouterr().out
+    a, b = load_file(whole / LORA_WEIGHTS_NAME), load_file(resumed / LORA_WEIGHTS_NAME)
+    first = load_file(whole / "checkpoint-1" / LORA_WEIGHTS_NAME)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(first[k], a[k]) for k in a), "the resumed epochs did train"
+    state = "checkpoint-3/train_state.json"
+    assert json.loads((whole / state).read_text()) == json.loads((resumed / state).read_text())
 
 
 @pytest.mark.parametrize("trainer", ["refl", "grpo"])
