@@ -155,3 +155,28 @@ def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
     if Path(name_or_path).suffix or "/" in name_or_path or Path(name_or_path).exists():
         return from_file(name_or_path, seed)
     raise UserError(f"prompts '{name_or_path}': neither a file nor one of {', '.join(PROMPT_SOURCES)}.")
+
+
+class PromptDraw:
+    """A trainer's prompts per batch from one torch generator: uniform draws from a list of (prompt, metadata), or a
+    prompt source (`get_prompt_fn`'s names) seeded per batch from the same generator, so that restoring the
+    generator's state restores the prompts (bit-exact resume)."""
+
+    def __init__(self, prompts: list[tuple[str, dict]] | None = None, source: str | None = None):
+        self.prompts, self.source = prompts, source
+
+    def describe(self) -> str:
+        return f"prompt_fn {self.source}" if self.source is not None else str(len(self.prompts))
+
+    def __call__(self, n: int, generator) -> tuple[list[str], list[dict]]:
+        import torch
+
+        if self.source is not None:
+            seed = int(torch.randint(2**62, (1,), generator=generator))
+            prompt_fn = get_prompt_fn(self.source, seed)
+            pairs = [prompt_fn() for _ in range(n)]
+        else:
+            pairs = [
+                self.prompts[i] for i in torch.randint(len(self.prompts), (n,), generator=generator).tolist()
+            ]
+        return [p for p, _ in pairs], [dict(m) for _, m in pairs]

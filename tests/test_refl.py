@@ -19,7 +19,7 @@ from refl_ddpo.families import load_family
 from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.prompts import DATA_DIR, load_prompts
+from refl_ddpo.prompts import DATA_DIR, PromptDraw, load_prompts
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.sampling import denoise
 from refl_ddpo.trainers import refl
@@ -186,6 +186,43 @@ def test_script_trains_on_the_users_own_differentiable_reward(tiny_models, tmp_p
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     r = _script(flags[:-1] + ["user_functions:brightness_list"], PYTHONPATH=str(REPO / "tests"))
     assert r.returncode == 2 and "differentiable = True" in r.stderr.strip().splitlines()[-1]
+
+
+def test_script_trains_on_the_users_prompt_fn_and_resumes_bit_exactly(tiny_models, tmp_path):
+    """--prompt_fn pkg.module:function through ReFL: seeded from the process' stream, so a run resumed from its
+    checkpoint gives the uninterrupted run's LoRA; a prompt_fn that does not import is one line before any model."""
+    flags = ["--prompt_fn", "user_functions:colour_prompt", "--checkpointing_steps", "2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    r = _script(_train_flags(tiny_models, whole, 4) + flags, PYTHONPATH=str(REPO / "tests"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "prompt_fn user_functions:colour_prompt" in r.stdout
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    r = _script(
+        _train_flags(tiny_models, resumed, 4) + flags + ["--resume_from_checkpoint", "latest"],
+        PYTHONPATH=str(REPO / "tests"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(whole / LORA_WEIGHTS_NAME), load_file(resumed / LORA_WEIGHTS_NAME)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bad = ["--prompt_fn", "user_functions:nope"]
+    r = _script(_train_flags(tiny_models, tmp_path / "bad", 1) + bad, PYTHONPATH=str(REPO / "tests"))
+    assert r.returncode == 2 and "has no nope" in r.stderr.strip().splitlines()[-1]
+
+
+def test_prompt_draw_takes_the_list_or_the_source_from_one_generator():
+    """A list: uniform draws as torch.randint gives them; a source: seeded from the generator, so the same state
+    draws the same prompts (and metadata), and the next state others."""
+    listed = [("a", {"i": 0}), ("b", {"i": 1}), ("c", {"i": 2})]
+    idx = torch.randint(3, (5,), generator=torch.Generator().manual_seed(7)).tolist()
+    assert PromptDraw(listed)(5, torch.Generator().manual_seed(7)) == (
+        [listed[i][0] for i in idx],
+        [listed[i][1] for i in idx],
+    )
+    draw, g = PromptDraw(source="user_functions:colour_prompt"), torch.Generator().manual_seed(0)
+    first, second = draw(8, g), draw(8, g)
+    assert first == draw(8, torch.Generator().manual_seed(0)) and first != second
+    assert all(m == {"colour": p.split()[1]} for p, m in zip(*first, strict=True))
 
 
 E2E_STEPS, RESUME_AT = 30, 15

@@ -90,10 +90,11 @@ class ReFL(Algorithm):
         import os
 
         from refl_ddpo.image_captions import PretrainData
-        from refl_ddpo.prompts import resolve_prompts
+        from refl_ddpo.prompts import PromptDraw, resolve_prompts
 
         cfg = self.cfg
-        self.prompts = resolve_prompts(cfg.prompts_file)
+        listed = resolve_prompts(cfg.prompts_file) if cfg.prompt_fn is None else None
+        self.prompts = PromptDraw(listed, cfg.prompt_fn)  # the training prompts of each micro-batch
         self.pretrain_data = PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
         self.cfg = resolve_gradient_accumulation(cfg, self.world_size)
@@ -157,7 +158,7 @@ class ReFL(Algorithm):
             "images per optimizer step": f"{batch} per process x {gas} accumulation x {processes} process(es) = "
             f"{batch * gas * processes}",
             "trainable parameters": sum(p.numel() for p in run.params),
-            "training prompts": len(self.prompts),
+            "training prompts": self.prompts.describe(),
             "latents": f"({family.network.config.in_channels}, {side}, {side})",
         }
 
@@ -276,9 +277,7 @@ class ReFL(Algorithm):
         from refl_ddpo.training import nonfinite_step_error
 
         cfg, family, generator = self.cfg, run.family, self.generator
-        idx = torch.randint(len(self.prompts), (cfg.train_batch_size,), generator=generator).tolist()
-        prompts = [self.prompts[i][0] for i in idx]
-        metadata = [dict(self.prompts[i][1]) for i in idx]
+        prompts, metadata = self.prompts(cfg.train_batch_size, generator)
         cond, uncond = family.encode_prompts(prompts, with_negative=cfg.guidance_scale > 1.0)
         noise = family.initial_noise(
             cfg.train_batch_size, cfg.resolution, generator, cond["prompt_embeds"].dtype

@@ -29,6 +29,14 @@ class ReFLConfig(CommonConfig):
         "Training prompts: a file (one per line, or a JSON list of strings / {'text'|'prompt': ...} objects) or the "
         "name of a list shipped in refl_ddpo/data (refl_prompts, simple_animals, imagenet_animals).",
     )
+    prompt_fn: str | None = field_(
+        None,
+        "A prompt source instead of --prompts_file: your own prompt_fn() -> (prompt, metadata) as pkg.module:function "
+        "(as DDPO takes it) or a shipped source (imagenet_animals, simple_animals, ...), called --train_batch_size "
+        "times per micro-batch. A function that takes `rng=` gets a random.Random seeded from this process' stream "
+        "(resume stays bit-exact); one that draws from its own state is not restored by a resume.",
+        group="reward and prompts",
+    )
     reward: str = field_(
         "imagereward",
         "Reward to maximise; it must be differentiable (imagereward, toy_classifier, ...); weighted sums as "
@@ -181,9 +189,13 @@ class ReFLConfig(CommonConfig):
                 )
 
     def _check_rollout_and_reward(self) -> None:
-        """The sampler's eta and CFG; a reward that carries gradient, and ImageReward's options only with it."""
+        """The sampler's eta and CFG; a reward that carries gradient, and ImageReward's options only with it; the
+        prompt source imports."""
+        from refl_ddpo.prompts import check_prompt_source
         from refl_ddpo.rewards import REWARDS, available, is_differentiable, parse_reward_spec
 
+        if self.prompt_fn is not None:
+            check_prompt_source(self.prompt_fn)
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
         if self.guidance_scale < 1:
