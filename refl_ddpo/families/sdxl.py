@@ -11,10 +11,12 @@ VAE upcast to float32 when its config says `force_upcast`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.families.base import Cond, cond_cat
+from refl_ddpo.families.base import Cond, guided
 from refl_ddpo.families.sd import StableDiffusion
 
 
@@ -92,13 +94,7 @@ class StableDiffusionXL(StableDiffusion):
         given. `timesteps` is a scalar or one per sample (B,)."""
         unet = network if network is not None else self.network
         latents = scheduler.scale_model_input(latents, timesteps)
-        if guidance_scale > 1.0 and uncond is not None:
-            if timesteps.ndim == 1:
-                timesteps = torch.cat([timesteps, timesteps])
-            eps = self._unet(unet, torch.cat([latents, latents]), timesteps, cond_cat([uncond, cond]))
-            eps_uncond, eps_text = eps.chunk(2)
-            return eps_uncond + guidance_scale * (eps_text - eps_uncond)
-        return self._unet(unet, latents, timesteps, cond)
+        return guided(functools.partial(self._unet, unet), latents, timesteps, cond, uncond, guidance_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline: latents * latents_std / scaling_factor + latents_mean where the VAE config has both,
