@@ -24,6 +24,14 @@ def cond_cat(conds: list[Cond]) -> Cond:
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
+def pooled_conds(embeds, negative, pooled, negative_pooled, with_negative: bool) -> tuple[Cond, Cond | None]:
+    """(cond, uncond or None) from what SDXL's and SD3's `encode_prompt` return: the text and pooled embeddings of
+    the prompts and of the negative."""
+    cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    uncond = {"prompt_embeds": negative, "pooled_prompt_embeds": negative_pooled} if with_negative else None
+    return cond, uncond
+
+
 def guided(
     call, latents: torch.Tensor, timesteps: torch.Tensor, cond: Cond, uncond: Cond | None, guidance_scale
 ):

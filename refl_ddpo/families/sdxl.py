@@ -16,7 +16,7 @@ import functools
 import torch
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.families.base import Cond, guided
+from refl_ddpo.families.base import Cond, guided, pooled_conds
 from refl_ddpo.families.sd import StableDiffusion
 
 
@@ -43,18 +43,14 @@ class StableDiffusionXL(StableDiffusion):
         """The pipeline's own `encode_prompt` (both CLIPs, the same prompt to each); the negative is its default (no
         negative prompt): zeros with `force_zeros_for_empty_prompt` (SDXL base's config), else the empty prompt."""
         self.check_prompt_lengths(prompts)
-        embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+        encoded = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,
             device=self.pipe.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=with_negative,
         )
-        cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-        uncond = (
-            {"prompt_embeds": negative, "pooled_prompt_embeds": negative_pooled} if with_negative else None
-        )
-        return cond, uncond
+        return pooled_conds(*encoded, with_negative)
 
     def empty_cond(self) -> Cond:
         """The pipeline's negative conditioning without a negative prompt (batch 1): zeros of the empty prompt's
