@@ -152,11 +152,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection and a T5 encoder
     (each with its tokenizer, built offline), SD3's flow-matching scheduler (shift 3.0). Native resolution 32
     (16 x 16 latents, 8 x 8 patches)."""
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
     tokenizer = clip_tokenizer()
@@ -208,11 +204,7 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
     ("text_time": the pooled text and 6 time ids), a VAE with SDXL's scaling factor and force_upcast, a CLIPTextModel
     and a CLIPTextModelWithProjection (each with its tokenizer, built offline), SDXL base's Euler scheduler settings
     and force_zeros_for_empty_prompt. Native resolution 32 (16 x 16 latents)."""
-    from diffusers import (
-        EulerDiscreteScheduler,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     tokenizer = clip_tokenizer()
