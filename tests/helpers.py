@@ -2,8 +2,18 @@
 environment of a trainer's shell script run in a subprocess."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ReFL's --backprop_steps variants and what its log calls them (parametrize "flags, described")
+DRAFT_CASES = [
+    (["--backprop_steps", "2"], "DRaFT-2"),
+    (["--backprop_steps", "random:1-2"], "AlignProp"),
+    (["--backprop_steps", "1", "--draft_lv", "2"], "DRaFT-LV"),
+]
 
 
 def trainer_flags(
@@ -30,3 +40,107 @@ def script_env(*drop: str, **extra: str) -> dict:
     Python, no hub and one OpenMP thread, then `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES", *drop)}
     return {**env, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def assert_lora_changes_stock_images(
+    pipe, lora_dir, resolution: int, steps: int = 3, part: str | None = None
+):
+    """The stock `pipe` draws other images of "a cat" (seed 0, `steps` steps) once `load_lora_weights(lora_dir)` ran;
+    with `part` ("unet", "transformer"), every saved matrix is that part's and loads into one of its layers. Returns
+    the pipe, the LoRA loaded."""
+    import torch
+
+    kw = {"num_inference_steps": steps, "height": resolution, "width": resolution, "output_type": "pt"}
+    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    pipe.load_lora_weights(str(lora_dir))
+    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    assert (before - after).abs().max() > 1e-4
+    if part is not None:
+        from safetensors.torch import load_file
+
+        from refl_ddpo.lora import LORA_WEIGHTS_NAME
+
+        saved = load_file(Path(lora_dir) / LORA_WEIGHTS_NAME)
+        loaded = [n for n, _ in getattr(pipe, part).named_parameters() if "lora_" in n]
+        assert saved and all(k.startswith(f"{part}.") for k in saved) and len(loaded) == len(saved)
+    return pipe
+
+
+def ddpo_first_update(family, scheduler, params, uncond, prompts, resolution: int, **kw) -> tuple[dict, dict]:
+    """DDPO on `family`: two sampled batches of 2 (jpeg_compressibility, `kw`: num_steps, guidance_scale, eta)
+    stacked with their advantages, then one PPO pass (clip range 1e-4, AdamW 1e-3, no mixed precision). Returns
+    (the stacked samples, the first PPO step's stats)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from refl_ddpo.algorithms.policy import batch_advantages
+    from refl_ddpo.ppo import train_on_samples
+    from refl_ddpo.rewards import build_reward
+    from refl_ddpo.rollouts import sample_epoch, stack_samples
+
+    prompts = iter(prompts)
+    batches = sample_epoch(
+        family,
+        scheduler,
+        lambda: (next(prompts), {}),
+        build_reward("jpeg_compressibility", "cpu"),
+        uncond,
+        batch_size=2,
+        num_batches=2,
+        resolution=resolution,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
+    samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
+    AcceleratorState._reset_state()  # accelerate keeps its state per process: an earlier test's bf16 would leak in
+    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
+    optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
+    steps = train_on_samples(
+        family,
+        family.network,
+        scheduler,
+        samples,
+        uncond,
+        accelerator,
+        optimizer,
+        params,
+        torch.Generator().manual_seed(1),
+        batch_size=2,
+        num_train_steps=kw["num_steps"],
+        clip_range=1e-4,
+        **kw,
+    )
+    return samples, steps[0]
+
+
+def run_script(name: str, args: list[str], env: dict | None = None, timeout: int = 300):
+    """bash train_scripts/NAME ARGS from the repo root with `env` (default: script_env()), output captured."""
+    return subprocess.run(
+        ["bash", str(REPO / "train_scripts" / name), *args],
+        cwd=REPO,
+        env=script_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def assert_lora_moves_the_scores(
+    tiny_models: Path, base: Path, lora_dir: Path, prompts: Path, tmp: Path, *extra
+):
+    """Before (`base`) / after (the LoRA in `lora_dir`) inference with its scores, 2 images of each prompt in 3 steps
+    (then `extra` flags), and the scored comparison: 2 pairs, a mean difference that is not 0."""
+    import json
+
+    from refl_ddpo import compare, inference
+
+    common = ["--prompts_file", str(prompts), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
+    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2", *extra]
+    before, after = tmp / "before", tmp / "after"
+    inference.main_base(["--pretrained_model", str(base), "--output_dir", str(before), *common])
+    inference.main_lora(["--lora_dir", str(lora_dir), "--output_dir", str(after), *common])
+    compare.run_compare(str(before), str(after), str(tmp / "cmp"))
+    result = json.loads((tmp / "cmp" / "compare.json").read_text())
+    assert result["count"] == 2 and result["mean_difference"] != 0

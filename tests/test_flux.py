@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import FluxPipeline
-from helpers import script_env, trainer_flags
+from helpers import (
+    DRAFT_CASES,
+    assert_lora_changes_stock_images,
+    assert_lora_moves_the_scores,
+    ddpo_first_update,
+    run_script,
+    trainer_flags,
+)
 
 from refl_ddpo.families import cond_expand, family_class, load_family
 from refl_ddpo.families.flux import Flux
@@ -21,7 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 PROMPTS = ["a photo of a cat", "a red bird"]
 RES = 32
 SEEDS = [3, 7]  # one CPU generator per image, as the inference scripts draw
-REPO = Path(__file__).resolve().parent.parent
 DEV, SCHNELL = "tiny-flux", "tiny-flux-schnell"
 
 
@@ -211,78 +217,20 @@ def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
     """DDPO's sample buffers carry FLUX's conditioning (T5 (N, 512, 64), pooled (N, 32)) and its (B, 16, h, w)
     latents through stacking, shuffling and slicing; the first PPO step recomputes the flow SDE step's log-probs
     (dev's embedded guidance 3.5): approx KL 0, nothing clipped."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    from refl_ddpo.algorithms.policy import batch_advantages
     from refl_ddpo.lora import add_lora
-    from refl_ddpo.ppo import train_on_samples
-    from refl_ddpo.rewards import build_reward
-    from refl_ddpo.rollouts import sample_epoch, stack_samples
 
     torch.manual_seed(0)
     family = load_family(str(tiny_models / DEV))
     scheduler = family.policy_scheduler()
-    network = family.network
-    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
-    uncond = family.empty_cond()
-    prompts = iter(PROMPTS * 4)
+    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     kw = {"num_steps": 3, "guidance_scale": 3.5, "eta": 0.7}
-    batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
-        build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=2,
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
-        **kw,
-    )
-    rewards = torch.cat([b.rewards[0] for b in batches])
-    samples = stack_samples(batches, batch_advantages(rewards).float())
+    samples, first = ddpo_first_update(family, scheduler, params, family.empty_cond(), PROMPTS * 4, RES, **kw)
     assert samples["prompt_embeds"].shape == (4, 512, 64) and samples["pooled_prompt_embeds"].shape == (4, 32)
     assert samples["next_latents"].shape == (4, 3, 16, 16, 16)  # (N, S, C, h, w): unpacked, as SD3's
-    AcceleratorState._reset_state()  # an earlier test's accelerator may have had another mixed precision
-    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
-    optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
-    steps = train_on_samples(
-        family,
-        network,
-        scheduler,
-        samples,
-        uncond,
-        accelerator,
-        optimizer,
-        params,
-        torch.Generator().manual_seed(1),
-        batch_size=2,
-        num_train_steps=kw["num_steps"],
-        clip_range=1e-4,
-        **kw,
-    )
-    assert steps[0]["approx_kl"] < 1e-10 and steps[0]["clipfrac"] == 0.0, steps[0]
+    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
 
 
 # ---- the trainers, two steps each ----
-
-
-def _changes_stock_images(path: Path, lora_dir: Path) -> None:
-    """The LoRA in `lora_dir` loads in a stock FluxPipeline, every matrix into its layer, and changes its images."""
-    from safetensors.torch import load_file
-
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
-
-    kw = {"num_inference_steps": 3, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = _stock(path)
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(lora_dir))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    assert (before - after).abs().max() > 1e-4
-    saved = load_file(lora_dir / LORA_WEIGHTS_NAME)
-    loaded = [n for n, _ in pipe.transformer.named_parameters() if "lora_" in n]
-    assert saved and all(k.startswith("transformer.") for k in saved) and len(loaded) == len(saved)
 
 
 def _policy_flags(tiny_models, out: Path, *extra: str, num_epochs: int = 2, **flags) -> list[str]:
@@ -351,36 +299,18 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
         )
     )
     assert "model family: flux" in capsys.readouterr().out
-    _changes_stock_images(tiny_models / DEV, out)
+    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
     records = validation_files(out)
     assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"flux"}
     card = (out / CARD_NAME).read_text()
     assert "| model family | FLUX.1" in card and "- flux" in card
 
     # before / after inference with its scores, and the scored comparison, on this LoRA
-    import json
-
-    from refl_ddpo import compare, inference
-
-    common = ["--prompts_file", str(prompts), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
-    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2", "--resolution", str(RES)]
-    common += ["--guidance_scale", "3.5"]
-    before, after = tmp_path / "before", tmp_path / "after"
-    inference.main_base(["--pretrained_model", str(tiny_models / DEV), "--output_dir", str(before), *common])
-    inference.main_lora(["--lora_dir", str(out), "--output_dir", str(after), *common])
-    compare.run_compare(str(before), str(after), str(tmp_path / "cmp"))
-    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert result["count"] == 2 and result["mean_difference"] != 0
+    extra = ["--resolution", str(RES), "--guidance_scale", "3.5"]
+    assert_lora_moves_the_scores(tiny_models, tiny_models / DEV, out, prompts, tmp_path, *extra)
 
 
-@pytest.mark.parametrize(
-    "flags, described",
-    [
-        (["--backprop_steps", "2"], "DRaFT-2"),
-        (["--backprop_steps", "random:1-2"], "AlignProp"),
-        (["--backprop_steps", "1", "--draft_lv", "2"], "DRaFT-LV"),
-    ],
-)
+@pytest.mark.parametrize("flags, described", DRAFT_CASES)
 def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
     from refl_ddpo.trainers import refl
 
@@ -391,21 +321,12 @@ def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_mod
 
 
 def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
-    import subprocess
 
     out = tmp_path / "grpo"
     flags = _policy_flags(tiny_models, out, group_size=2, beta="0.04")
-    r = subprocess.run(
-        ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
-        cwd=REPO,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    r = run_script("train_grpo.sh", flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    _changes_stock_images(tiny_models / DEV, out)
+    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
@@ -418,7 +339,7 @@ def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     if trainer == "ddpo":
-        _changes_stock_images(tiny_models / DEV, out)
+        assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
 
 
 def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, capsys):
@@ -487,4 +408,4 @@ def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_mo
         flags = _policy_flags(tiny_models, out, group_size=2)
     flags[flags.index("--pretrained_model") + 1] = str(tiny_models / SCHNELL)
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
-    _changes_stock_images(tiny_models / SCHNELL, out)
+    assert_lora_changes_stock_images(_stock(tiny_models / SCHNELL), out, RES, part="transformer")

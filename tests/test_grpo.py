@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import script_env, trainer_flags
+from helpers import run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
@@ -493,15 +493,7 @@ def _span_flags(tiny_models, model: str, out: Path, *extra: str) -> list[str]:
 
 
 def _script(args: list[str], **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args],
-        cwd=REPO,
-        env=script_env(NUM_PROCESSES="2", **env),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    return run_script("train_grpo.sh", args, script_env(NUM_PROCESSES="2", **env), timeout=240)
 
 
 # validated on the main process alone, the other one waits at the next collective; the resumed run below has no

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
+from helpers import assert_lora_changes_stock_images, ddpo_first_update
 
 from refl_ddpo.families import family_class, load_family
 from refl_ddpo.families.sd3 import StableDiffusion3
@@ -167,12 +168,7 @@ def test_lora_gets_reward_gradient_saves_and_loads_in_stock_pipeline(tiny_sd3, s
             assert torch.equal(base_before[n], p), n
 
     save_lora(network, tmp_path / "lora", config={"lora_rank": 4})
-    kw = {"num_inference_steps": 4, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = _stock(tiny_sd3)
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(tmp_path / "lora"))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    assert (before - after).abs().max() > 1e-4
+    pipe = assert_lora_changes_stock_images(_stock(tiny_sd3), tmp_path / "lora", RES, steps=4)
     adapter = pipe.transformer.active_adapters()[0]
     loaded = {
         n.replace(f".{adapter}.", ".default."): p
@@ -244,12 +240,7 @@ def test_refl_trains_a_lora_on_sd3_that_loads_in_stock_pipeline(tiny_models, tin
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "sampler: FlowMatchEulerDiscreteScheduler" in r.stdout
-    kw = {"num_inference_steps": 4, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = _stock(tiny_sd3)
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(out))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    assert (before - after).abs().max() > 1e-4
+    assert_lora_changes_stock_images(_stock(tiny_sd3), out, RES, steps=4)
 
 
 def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, tmp_path):
@@ -275,55 +266,15 @@ def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, 
 def test_ddpo_first_update_on_sd3_is_on_policy(stock):
     """DDPO on SD3 samples with Flow-GRPO's SDE step (the family's policy sampler) and its first PPO step is on the
     sampling policy: approx KL 0 and no clipping, with CFG in the training forward as in sampling."""
-    from accelerate import Accelerator
-
-    from refl_ddpo.algorithms.policy import batch_advantages
-    from refl_ddpo.ppo import train_on_samples
-    from refl_ddpo.rewards import build_reward
-    from refl_ddpo.rollouts import sample_epoch, stack_samples
-
     torch.manual_seed(0)
     family = StableDiffusion3(stock)
     family.pipe.scheduler = scheduler = family.policy_scheduler()
     assert type(scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
     params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     uncond, _ = family.encode_prompts([""], with_negative=False)
-    prompts = iter(PROMPTS * 4)
     kw = {"num_steps": 3, "guidance_scale": 4.5, "eta": 0.7}
-    batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
-        build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=2,
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
-        **kw,
-    )
-    samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()  # accelerate keeps its state per process: an earlier test's bf16 would leak in
-    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
-    optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
-    steps = train_on_samples(
-        family,
-        family.network,
-        scheduler,
-        samples,
-        uncond,
-        accelerator,
-        optimizer,
-        params,
-        torch.Generator().manual_seed(1),
-        batch_size=2,
-        num_train_steps=kw["num_steps"],
-        clip_range=1e-4,
-        **kw,
-    )
-    assert steps[0]["approx_kl"] < 1e-10 and steps[0]["clipfrac"] == 0.0, steps[0]
+    _, first = ddpo_first_update(family, scheduler, params, uncond, PROMPTS * 4, RES, **kw)
+    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
 
 
 def test_ddpo_script_trains_sd3_without_t5_and_saves_a_lora_that_loads(tiny_models, tiny_sd3, tmp_path):
@@ -359,9 +310,6 @@ def test_ddpo_script_trains_sd3_without_t5_and_saves_a_lora_that_loads(tiny_mode
         cwd=repo,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    kw = {"num_inference_steps": 4, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = _stock(tiny_sd3, text_encoder_3=None, tokenizer_3=None)
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(out))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    assert (before - after).abs().max() > 1e-4
+    assert_lora_changes_stock_images(
+        _stock(tiny_sd3, text_encoder_3=None, tokenizer_3=None), out, RES, steps=4
+    )

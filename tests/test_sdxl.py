@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DDIMScheduler, StableDiffusionXLPipeline
-from helpers import script_env, trainer_flags
+from helpers import (
+    DRAFT_CASES,
+    assert_lora_changes_stock_images,
+    assert_lora_moves_the_scores,
+    ddpo_first_update,
+    run_script,
+    trainer_flags,
+)
 
 from refl_ddpo.families import family_class, load_family
 from refl_ddpo.families.sdxl import StableDiffusionXL
@@ -18,7 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 PROMPTS = ["a photo of a cat", "a red bird"]
 RES = 32
 SEEDS = [3, 7]  # one CPU generator per image, as the inference scripts draw
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -192,78 +198,20 @@ def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_sdxl):
     """DDPO's sample buffers carry SDXL's conditioning (prompt_embeds (N, 77, 64), pooled (N, 32)) through stacking,
     shuffling and slicing; the first PPO step recomputes the sampler's log-probs (CFG against empty_cond's zeros):
     approx KL 0, nothing clipped."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    from refl_ddpo.algorithms.policy import batch_advantages
     from refl_ddpo.lora import add_lora
-    from refl_ddpo.ppo import train_on_samples
-    from refl_ddpo.rewards import build_reward
-    from refl_ddpo.rollouts import sample_epoch, stack_samples
 
     torch.manual_seed(0)
     family = load_family(str(tiny_sdxl))
     scheduler = family.policy_scheduler()
     assert type(scheduler).__name__ == "DDIMScheduler"
-    network = family.network
-    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
-    uncond = family.empty_cond()
-    prompts = iter(PROMPTS * 4)
+    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     kw = {"num_steps": 3, "guidance_scale": 5.0, "eta": 1.0}
-    batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
-        build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=2,
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
-        **kw,
-    )
-    rewards = torch.cat([b.rewards[0] for b in batches])
-    samples = stack_samples(batches, batch_advantages(rewards).float())
+    samples, first = ddpo_first_update(family, scheduler, params, family.empty_cond(), PROMPTS * 4, RES, **kw)
     assert samples["pooled_prompt_embeds"].shape == (4, 32) and samples["prompt_embeds"].shape == (4, 77, 64)
-    AcceleratorState._reset_state()  # an earlier test's accelerator may have had another mixed precision
-    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
-    optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
-    steps = train_on_samples(
-        family,
-        network,
-        scheduler,
-        samples,
-        uncond,
-        accelerator,
-        optimizer,
-        params,
-        torch.Generator().manual_seed(1),
-        batch_size=2,
-        num_train_steps=kw["num_steps"],
-        clip_range=1e-4,
-        **kw,
-    )
-    assert steps[0]["approx_kl"] < 1e-10 and steps[0]["clipfrac"] == 0.0, steps[0]
+    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
 
 
 # ---- the trainers, two steps each (in this process; GRPO through its shell script) ----
-
-
-def _changes_stock_images(tiny_sdxl, lora_dir: Path) -> None:
-    """The LoRA in `lora_dir` loads in a stock pipeline, every matrix into its layer, and changes its images."""
-    from safetensors.torch import load_file
-
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
-
-    kw = {"num_inference_steps": 3, "height": RES, "width": RES, "output_type": "pt"}
-    pipe = _stock(tiny_sdxl)
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    pipe.load_lora_weights(str(lora_dir))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
-    assert (before - after).abs().max() > 1e-4
-    saved = load_file(lora_dir / LORA_WEIGHTS_NAME)
-    loaded = [n for n, _ in pipe.unet.named_parameters() if "lora_" in n]
-    assert saved and all(k.startswith("unet.") for k in saved) and len(loaded) == len(saved)
 
 
 def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
@@ -324,36 +272,17 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
     )
     refl.main(argv)
     assert "model family: sdxl" in capsys.readouterr().out
-    _changes_stock_images(tiny_sdxl, out)
+    assert_lora_changes_stock_images(_stock(tiny_sdxl), out, RES, part="unet")
     records = validation_files(out)
     assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"sdxl"}
     card = (out / CARD_NAME).read_text()
     assert "| model family | Stable Diffusion XL" in card and "stable-diffusion-xl" in card
 
     # before / after inference with its scores, and the scored comparison, on this LoRA
-    import json
-
-    from refl_ddpo import compare, inference
-
-    common = ["--prompts_file", str(prompts_file), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
-    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2"]
-    inference.main_base(
-        ["--pretrained_model", str(tiny_sdxl), "--output_dir", str(tmp_path / "before"), *common]
-    )
-    inference.main_lora(["--lora_dir", str(out), "--output_dir", str(tmp_path / "after"), *common])
-    compare.run_compare(str(tmp_path / "before"), str(tmp_path / "after"), str(tmp_path / "cmp"))
-    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert result["count"] == 2 and result["mean_difference"] != 0
+    assert_lora_moves_the_scores(tiny_models, tiny_sdxl, out, prompts_file, tmp_path)
 
 
-@pytest.mark.parametrize(
-    "flags, described",
-    [
-        (["--backprop_steps", "2"], "DRaFT-2"),
-        (["--backprop_steps", "random:1-2"], "AlignProp"),
-        (["--backprop_steps", "1", "--draft_lv", "2"], "DRaFT-LV"),
-    ],
-)
+@pytest.mark.parametrize("flags, described", DRAFT_CASES)
 def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
     from refl_ddpo.trainers import refl
 
@@ -378,21 +307,12 @@ def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_mod
 
 
 def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tiny_sdxl, tmp_path):
-    import subprocess
 
     out = tmp_path / "grpo"
     flags = _policy_flags(tiny_models, out, group_size=2, beta="0.04")
-    r = subprocess.run(
-        ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
-        cwd=REPO,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    r = run_script("train_grpo.sh", flags)
     assert r.returncode == 0, r.stderr[-3000:]
-    _changes_stock_images(tiny_sdxl, out)
+    assert_lora_changes_stock_images(_stock(tiny_sdxl), out, RES, part="unet")
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
@@ -405,4 +325,4 @@ def test_trainer_runs_two_epochs(trainer, tiny_models, tiny_sdxl, tmp_path, caps
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     if trainer == "ddpo":
-        _changes_stock_images(tiny_sdxl, out)
+        assert_lora_changes_stock_images(_stock(tiny_sdxl), out, RES, part="unet")

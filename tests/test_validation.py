@@ -264,6 +264,16 @@ def _fake_validation(out: Path) -> None:
         )
 
 
+def _sd_refl_card(out: Path, cfg, progress: dict, repo_id: str | None = None):
+    """The model card of a ReFL LoRA on SD 1.x's UNet trained with `cfg` (its validation spec)."""
+    from refl_ddpo.model_card import model_card
+
+    spec = validation_spec(cfg)
+    return model_card(
+        out, cfg.to_dict(), spec, "refl", "sd", "UNet2DConditionModel", "unet", progress, repo_id
+    )
+
+
 def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tmp_path):
     from huggingface_hub import ModelCard
 
@@ -273,17 +283,7 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
     cfg = parse_config(
         ReFLConfig, ["--preset", "toy_world", "--max_train_steps", "10", "--lora_target_modules", "to_q"]
     )
-    model_card(
-        tmp_path,
-        cfg.to_dict(),
-        validation_spec(cfg),
-        "refl",
-        "sd",
-        "UNet2DConditionModel",
-        "unet",
-        {"optimizer steps": 10},
-        "me/toy",
-    ).save(tmp_path / CARD_NAME)
+    _sd_refl_card(tmp_path, cfg, {"optimizer steps": 10}, "me/toy").save(tmp_path / CARD_NAME)
     card = ModelCard.load(tmp_path / CARD_NAME)
     assert card.data.library_name == "diffusers" and {"refl_ddpo", "refl", "lora"} <= set(card.data.tags)
     assert card.data.base_model is None, "a local base model is no hub id: left out of the metadata"
@@ -320,28 +320,17 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
     assert "No validation ran" in card.text
 
     draft = parse_config(ReFLConfig, ["--preset", "toy_world", "--backprop_steps", "3"])
-    text = model_card(
-        tmp_path, draft.to_dict(), validation_spec(draft), "refl", "sd", "UNet2DConditionModel", "unet", {}
-    ).text
+    text = _sd_refl_card(tmp_path, draft, {}).text
     assert "DRaFT-K / AlignProp" in text and "| backprop_steps | `3` |" in text
 
 
 def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_path):
-    from refl_ddpo.model_card import CARD_NAME, model_card
+    from refl_ddpo.model_card import CARD_NAME
     from refl_ddpo.runs import clear_run
 
     cfg = parse_config(ReFLConfig, ["--preset", "toy_world", "--output_dir", str(tmp_path)])
     _fake_validation(tmp_path)
-    model_card(
-        tmp_path,
-        cfg.to_dict(),
-        validation_spec(cfg),
-        "refl",
-        "sd",
-        "UNet2DConditionModel",
-        "unet",
-        {"optimizer steps": 1},
-    ).save(tmp_path / CARD_NAME)
+    _sd_refl_card(tmp_path, cfg, {"optimizer steps": 1}).save(tmp_path / CARD_NAME)
     assert set(clear_run(tmp_path, cfg.logging_dir)) == {VALIDATION_DIR, CARD_NAME}
     (tmp_path / CARD_NAME).write_text("# my notes\n")
     assert clear_run(tmp_path, cfg.logging_dir) == [] and (tmp_path / CARD_NAME).is_file()

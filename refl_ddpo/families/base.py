@@ -24,6 +24,29 @@ def cond_cat(conds: list[Cond]) -> Cond:
     return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
 
 
+def pooled_conds(embeds, negative, pooled, negative_pooled, with_negative: bool) -> tuple[Cond, Cond | None]:
+    """(cond, uncond or None) from what SDXL's and SD3's `encode_prompt` return: the text and pooled embeddings of
+    the prompts and of the negative."""
+    cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+    uncond = {"prompt_embeds": negative, "pooled_prompt_embeds": negative_pooled} if with_negative else None
+    return cond, uncond
+
+
+def guided(
+    call, latents: torch.Tensor, timesteps: torch.Tensor, cond: Cond, uncond: Cond | None, guidance_scale
+):
+    """`call(latents, timesteps, cond)` with CFG as the pipelines batch it: one call on the doubled batch [uncond,
+    text] and uncond + s (text - uncond) when guidance_scale > 1 and `uncond` is given, else one call on `cond`.
+    `timesteps` is a scalar or one per sample (B,)."""
+    if guidance_scale > 1.0 and uncond is not None:
+        if timesteps.ndim == 1:
+            timesteps = torch.cat([timesteps, timesteps])
+        out = call(torch.cat([latents, latents]), timesteps, cond_cat([uncond, cond]))
+        out_uncond, out_text = out.chunk(2)
+        return out_uncond + guidance_scale * (out_text - out_uncond)
+    return call(latents, timesteps, cond)
+
+
 class ModelFamily(ABC):
     """One model family (SD 1.x/2.x, SD3 ...): a loaded, frozen pipeline and the maths that differ by family."""
 

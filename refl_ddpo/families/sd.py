@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from refl_ddpo.families.base import Cond, ModelFamily
+from refl_ddpo.families.base import Cond, ModelFamily, guided
 from refl_ddpo.steps.ddim import ddim_step_kl, ddim_step_with_logprob_and_x0
 
 
@@ -49,18 +49,11 @@ class StableDiffusion(ModelFamily):
         when guidance_scale > 1 and `uncond` is given. `timesteps` is a scalar or one per sample (B,)."""
         unet = network if network is not None else self.network
         latents = scheduler.scale_model_input(latents, timesteps)
-        if guidance_scale > 1.0 and uncond is not None:
-            if timesteps.ndim == 1:
-                timesteps = torch.cat([timesteps, timesteps])
-            eps = unet(
-                torch.cat([latents, latents]),
-                timesteps,
-                encoder_hidden_states=torch.cat([uncond["prompt_embeds"], cond["prompt_embeds"]]),
-                return_dict=False,
-            )[0]
-            eps_uncond, eps_text = eps.chunk(2)
-            return eps_uncond + guidance_scale * (eps_text - eps_uncond)
-        return unet(latents, timesteps, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+
+        def call(x, t, c: Cond) -> torch.Tensor:
+            return unet(x, t, encoder_hidden_states=c["prompt_embeds"], return_dict=False)[0]
+
+        return guided(call, latents, timesteps, cond, uncond, guidance_scale)
 
     def step(self, scheduler, model_output, timestep, latents, eta: float, generator):
         out = scheduler.step(model_output, timestep, latents, **_step_kwargs(scheduler, eta, generator))

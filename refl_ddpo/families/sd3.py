@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from refl_ddpo.families.base import Cond, ModelFamily
+from refl_ddpo.families.base import Cond, ModelFamily, guided, pooled_conds
 from refl_ddpo.steps.flow_sde import (
     flow_euler_step,
     flow_pred_x0,
@@ -46,7 +46,7 @@ class StableDiffusion3(ModelFamily):
         """The pipeline's own `encode_prompt` (both CLIPs, T5 or its zero padding when dropped); the negative is the
         empty prompt, as the pipeline's default."""
         self.check_prompt_lengths(prompts)
-        embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+        encoded = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,
             prompt_3=None,
@@ -54,11 +54,7 @@ class StableDiffusion3(ModelFamily):
             num_images_per_prompt=1,
             do_classifier_free_guidance=with_negative,
         )
-        cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-        uncond = (
-            {"prompt_embeds": negative, "pooled_prompt_embeds": negative_pooled} if with_negative else None
-        )
-        return cond, uncond
+        return pooled_conds(*encoded, with_negative)
 
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
         f, patch = self.vae_scale_factor, self.network.config.patch_size
@@ -111,23 +107,17 @@ class StableDiffusion3(ModelFamily):
         transformer = network if network is not None else self.network
         latents = latents.to(cond["prompt_embeds"].dtype)
         timesteps = timesteps.expand(latents.shape[0]) if timesteps.ndim == 0 else timesteps
-        if guidance_scale > 1.0 and uncond is not None:
-            v = transformer(
-                hidden_states=torch.cat([latents, latents]),
-                timestep=torch.cat([timesteps, timesteps]),
-                encoder_hidden_states=torch.cat([uncond["prompt_embeds"], cond["prompt_embeds"]]),
-                pooled_projections=torch.cat([uncond["pooled_prompt_embeds"], cond["pooled_prompt_embeds"]]),
+
+        def call(x, t, c: Cond) -> torch.Tensor:
+            return transformer(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=c["prompt_embeds"],
+                pooled_projections=c["pooled_prompt_embeds"],
                 return_dict=False,
             )[0]
-            v_uncond, v_text = v.chunk(2)
-            return v_uncond + guidance_scale * (v_text - v_uncond)
-        return transformer(
-            hidden_states=latents,
-            timestep=timesteps,
-            encoder_hidden_states=cond["prompt_embeds"],
-            pooled_projections=cond["pooled_prompt_embeds"],
-            return_dict=False,
-        )[0]
+
+        return guided(call, latents, timesteps, cond, uncond, guidance_scale)
 
     def step(self, scheduler, model_output, timestep, latents, eta: float, generator):
         """The scheduler's deterministic Euler step (stateless here; `eta` and `generator` are unused: the

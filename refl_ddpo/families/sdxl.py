@@ -11,10 +11,12 @@ VAE upcast to float32 when its config says `force_upcast`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.families.base import Cond, cond_cat
+from refl_ddpo.families.base import Cond, guided, pooled_conds
 from refl_ddpo.families.sd import StableDiffusion
 
 
@@ -41,18 +43,14 @@ class StableDiffusionXL(StableDiffusion):
         """The pipeline's own `encode_prompt` (both CLIPs, the same prompt to each); the negative is its default (no
         negative prompt): zeros with `force_zeros_for_empty_prompt` (SDXL base's config), else the empty prompt."""
         self.check_prompt_lengths(prompts)
-        embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+        encoded = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,
             device=self.pipe.device,
             num_images_per_prompt=1,
             do_classifier_free_guidance=with_negative,
         )
-        cond = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-        uncond = (
-            {"prompt_embeds": negative, "pooled_prompt_embeds": negative_pooled} if with_negative else None
-        )
-        return cond, uncond
+        return pooled_conds(*encoded, with_negative)
 
     def empty_cond(self) -> Cond:
         """The pipeline's negative conditioning without a negative prompt (batch 1): zeros of the empty prompt's
@@ -92,13 +90,7 @@ class StableDiffusionXL(StableDiffusion):
         given. `timesteps` is a scalar or one per sample (B,)."""
         unet = network if network is not None else self.network
         latents = scheduler.scale_model_input(latents, timesteps)
-        if guidance_scale > 1.0 and uncond is not None:
-            if timesteps.ndim == 1:
-                timesteps = torch.cat([timesteps, timesteps])
-            eps = self._unet(unet, torch.cat([latents, latents]), timesteps, cond_cat([uncond, cond]))
-            eps_uncond, eps_text = eps.chunk(2)
-            return eps_uncond + guidance_scale * (eps_text - eps_uncond)
-        return self._unet(unet, latents, timesteps, cond)
+        return guided(functools.partial(self._unet, unet), latents, timesteps, cond, uncond, guidance_scale)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline: latents * latents_std / scaling_factor + latents_mean where the VAE config has both,

@@ -49,7 +49,13 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG, clip_tokenizer, t5_tokenizer, tiny_clip_config
+from refl_ddpo.testing.tiny_parts import (
+    SD_SCHEDULER_CONFIG,
+    clip_tokenizer,
+    tiny_clip_config,
+    tiny_t5,
+    tiny_vae,
+)
 
 
 def toy_latents(n: int, side: int, generator: torch.Generator) -> torch.Tensor:
@@ -102,7 +108,7 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
     `denoiser_steps` > 0: OUT/stable-diffusion-denoiser instead, with a smaller UNet (16, 32 channels) trained that
     many steps by `train_toy_denoiser`.
     """
-    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
 
     out = Path(out)
@@ -121,18 +127,7 @@ def write_tiny_stable_diffusion(out: Path, seed: int = 0, denoiser_steps: int = 
         attention_head_dim=8,
         norm_num_groups=8 if denoiser_steps else 32,
     )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
-        norm_num_groups=32,
-    )
+    vae = tiny_vae(seed + 1, 4)
     torch.manual_seed(seed + 2)
     text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
     pipe = StableDiffusionPipeline(
@@ -157,13 +152,8 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     16-channel VAE with SD3's shift and scaling factors, two CLIP text encoders with projection and a T5 encoder
     (each with its tokenizer, built offline), SD3's flow-matching scheduler (shift 3.0). Native resolution 32
     (16 x 16 latents, 8 x 8 patches)."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
 
     tokenizer = clip_tokenizer()
     torch.manual_seed(seed)
@@ -180,17 +170,9 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
         pooled_projection_dim=64,  # the two CLIPs' pooled projections side by side (32 + 32)
         pos_embed_max_size=32,
     )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=16,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
-        norm_num_groups=32,
+    vae = tiny_vae(
+        seed + 1,
+        16,
         scaling_factor=1.5305,  # SD3's
         shift_factor=0.0609,  # SD3's
         use_quant_conv=False,  # SD3's VAE has none
@@ -200,20 +182,7 @@ def write_tiny_stable_diffusion_3(out: Path, seed: int = 0) -> Path:
     for k in range(2):
         torch.manual_seed(seed + 2 + k)
         text_encoders.append(CLIPTextModelWithProjection(tiny_clip_config(tokenizer, projection_dim=32)))
-    torch.manual_seed(seed + 4)
-    t5_tok = t5_tokenizer()
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=1,
-            num_heads=4,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    )
+    t5_tok, t5 = tiny_t5(seed + 4)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         vae=vae,
@@ -235,12 +204,7 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
     ("text_time": the pooled text and 6 time ids), a VAE with SDXL's scaling factor and force_upcast, a CLIPTextModel
     and a CLIPTextModelWithProjection (each with its tokenizer, built offline), SDXL base's Euler scheduler settings
     and force_zeros_for_empty_prompt. Native resolution 32 (16 x 16 latents)."""
-    from diffusers import (
-        AutoencoderKL,
-        EulerDiscreteScheduler,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     tokenizer = clip_tokenizer()
@@ -262,17 +226,9 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
         projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 time ids x 8 + the pooled projection (32)
         norm_num_groups=32,
     )
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
-        norm_num_groups=32,
+    vae = tiny_vae(
+        seed + 1,
+        4,
         scaling_factor=0.13025,  # SDXL's
         force_upcast=True,  # SDXL's: decoded in float32 when the VAE is float16
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.testing.tiny_parts import clip_tokenizer, t5_tokenizer, tiny_clip_config
+from refl_ddpo.testing.tiny_parts import clip_tokenizer, tiny_clip_config, tiny_t5, tiny_vae
 
 # The scheduler_config.json settings of FLUX.1-dev and FLUX.1-schnell.
 DEV_SCHEDULER = {
@@ -32,21 +32,12 @@ SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": Fals
 
 def _parts(seed: int) -> dict:
     """VAE, CLIP, T5 and tokenizers, the same for both folders."""
-    from diffusers import AutoencoderKL
-    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel
 
     tokenizer = clip_tokenizer()
-    torch.manual_seed(seed + 1)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=16,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
-        norm_num_groups=32,
+    vae = tiny_vae(
+        seed + 1,
+        16,
         scaling_factor=0.3611,  # FLUX.1's
         shift_factor=0.1159,  # FLUX.1's
         use_quant_conv=False,  # FLUX.1's VAE has none
@@ -54,20 +45,7 @@ def _parts(seed: int) -> dict:
     )
     torch.manual_seed(seed + 2)
     text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
-    torch.manual_seed(seed + 3)
-    t5_tok = t5_tokenizer()
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(t5_tok),
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=1,
-            num_heads=4,
-            pad_token_id=t5_tok.pad_token_id,
-            eos_token_id=t5_tok.eos_token_id,
-        )
-    )
+    t5_tok, t5 = tiny_t5(seed + 3)
     return {
         "vae": vae,
         "text_encoder": text_encoder,

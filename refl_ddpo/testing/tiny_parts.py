@@ -1,5 +1,6 @@
 """Pieces the tiny builders share (refl_ddpo.testing.tiny, tiny_rewards, toy_train): the real SD v1.x scheduler
-settings, a CLIP and a T5 tokenizer built offline (no hub), and a tiny CLIP text config."""
+settings, a CLIP and a T5 tokenizer built offline (no hub), a tiny CLIP text config, and the tiny VAE and T5 encoder
+of the SD / SD3 / SDXL / FLUX.1 folders."""
 
 from __future__ import annotations
 
@@ -88,3 +89,44 @@ def t5_tokenizer():
     return T5Tokenizer(
         tokenizer_object=tokenizer, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", extra_ids=0
     )
+
+
+def tiny_vae(seed: int, latent_channels: int, **extra):
+    """A tiny random AutoencoderKL (32 px in, two blocks of 32 and 64 channels) drawn from `seed`; `extra` holds
+    the family's own settings (scaling / shift factors, quant convs, force_upcast)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        sample_size=32,
+        norm_num_groups=32,
+        **extra,
+    )
+
+
+def tiny_t5(seed: int):
+    """(the offline T5 tokenizer, a tiny random one-layer T5 encoder of width 64 drawn from `seed`)."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = t5_tokenizer()
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=1,
+        num_heads=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer, T5EncoderModel(config)
