@@ -263,6 +263,31 @@ def test_toy_clean_is_the_judges_cleanliness_made_differentiable():
     assert torch.isfinite(blotchy.grad).all() and blotchy.grad.abs().sum() > 0
 
 
+def test_toy_palette_clean_allows_every_palette_colour_and_nothing_else():
+    from refl_ddpo.rewards import build_reward
+
+    images, prompts = _rendered(seed=6)
+    x = images.float() / 255
+    strict = build_reward("toy_clean", "cpu", model_dir=str(tw.DATA_DIR))
+    fn = build_reward("toy_palette_clean", "cpu", model_dir=str(tw.DATA_DIR))
+    assert fn.differentiable
+    clean = fn(x, prompts, [{}] * 72)[0]
+    # every allowed colour of toy_clean is allowed here, so a pixel is never dirtier: >= toy_clean, image by image
+    assert (clean >= strict(x, prompts, [{}] * 72)[0]).all() and (clean > 0.97).all()
+    # the colour the prompt asks for does not matter: a shape of the wrong colour is as clean (toy_clean: dirtier)
+    wrong = [f"a {tw.parse_prompt(tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18])[0]} circle" for p in prompts]
+    assert torch.equal(fn(x, wrong, [{}] * 72)[0], clean)
+    assert (strict(x, wrong, [{}] * 72)[0] < clean - 0.02).all()
+    tinted = (x + torch.tensor([0.3, 0.3, 0.0]).view(1, 3, 1, 1)).clamp(0, 1)  # grey 128 -> (205, 205, 128)
+    assert (fn(tinted, prompts, [{}] * 72)[0] < 0.5).all()
+    g = torch.Generator().manual_seed(0)
+    blotchy = torch.rand(4, 3, tw.SIZE, tw.SIZE, generator=g).requires_grad_(True)
+    r = fn(blotchy, prompts[:4], [{}] * 4)[0]
+    assert (r < 0.5).all()
+    r.sum().backward()
+    assert torch.isfinite(blotchy.grad).all() and blotchy.grad.abs().sum() > 0
+
+
 def test_base_model_is_deliberately_imperfect():
     """Inference defaults (DDIM 50 steps, eta 0, CFG 7.5, 32 px), stock pipeline, seeds 1000 and 1001 for every
     prompt (one CPU generator per image): colour accuracy within [0.2, 0.7], so rewards have room to improve it.

@@ -14,6 +14,12 @@
                       and a colour on the border lower it; a blank grey image scores 1 too, so it is a term to add,
                       not a reward on its own. DESIGN's "background term" against the reward hacking of a colour
                       reward: `--reward toy_classifier:1,toy_clean:0.2` (measured in the docs/toy_world.md).
+    toy_palette_clean toy_clean with every palette colour allowed inside the frame, not only the prompt's: it does
+                      not say which colour is right, so a shape of the wrong colour is as clean as one of the right
+                      colour and only its anti-aliased edge costs. Beside a 0/1 colour reward (GRPO) toy_clean pays
+                      a group whose shapes all have the wrong colour for shrinking them; this one does not. Tried as
+                      GRPO's toy recipe, it kept the shapes but learned the colour slower and less steadily
+                      (docs/learning_spread.md), so the preset keeps toy_clean.
 
 Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """
@@ -71,18 +77,34 @@ CLEAN_SOFTNESS = 10.0
 def toy_clean(
     device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
 ):
+    return _clean(device, softness, any_palette_colour=False)
+
+
+def toy_palette_clean(
+    device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
+):
+    return _clean(device, softness, any_palette_colour=True)
+
+
+def _clean(device: torch.device, softness: float, any_palette_colour: bool):
     grey = torch.tensor(toy_world.BACKGROUND, dtype=torch.float32, device=device).view(1, 3, 1, 1)
     palette = torch.tensor(list(toy_world.COLOURS.values()), dtype=torch.float32, device=device)
 
+    def distance_to(x: torch.Tensor, colour: torch.Tensor) -> torch.Tensor:  # RGB L2 over dim 1, smooth at 0
+        return (x - colour).square().sum(1).add(1e-6).sqrt()
+
     def reward_fn(images, prompts, metadata):
+        # also the one-line error for a prompt outside the grammar
         colour_idx, _ = toy_world.prompt_indices(list(prompts))
         x = images.to(device=device, dtype=torch.float32) * 255
-        target = palette[colour_idx.to(device)].view(-1, 3, 1, 1)
-        d_grey = (x - grey).square().sum(1).add(1e-6).sqrt()
-        d_target = (x - target).square().sum(1).add(1e-6).sqrt()
+        d_grey = distance_to(x, grey)
+        if any_palette_colour:
+            d_colour = torch.stack([distance_to(x, c.view(1, 3, 1, 1)) for c in palette]).amin(0)
+        else:
+            d_colour = distance_to(x, palette[colour_idx.to(device)].view(-1, 3, 1, 1))
         ring = torch.ones(x.shape[-2:], dtype=torch.bool, device=device)
         ring[1:-1, 1:-1] = False
-        d = torch.where(ring, d_grey, torch.minimum(d_grey, d_target))
+        d = torch.where(ring, d_grey, torch.minimum(d_grey, d_colour))
         clean = torch.sigmoid((toy_world.CLEAN_THRESHOLD - d) / softness).mean(dim=(1, 2))
         return clean, {}
 
