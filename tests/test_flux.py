@@ -478,7 +478,7 @@ def test_trainer_records_the_guidance_it_resolved(tiny_models, tmp_path):
     resolved = shared_checks(cfg)
     assert (resolved.guidance_scale, resolved.validation_guidance_scale) == (3.5, 3.5)
     assert resolved.to_dict()["guidance_scale"] == 3.5
-    assert re.search(r"^  guidance_scale +=  ?3\.5$", resolved.pretty(), re.M)
+    assert re.search(r"^  guidance_scale +=  ?3\.5$", resolved.pretty(), re.MULTILINE)
 
 
 @pytest.mark.parametrize("flags, expected", [((), 3.5), (("--guidance_scale", "2.0"), 2.0)])
@@ -533,3 +533,37 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
     ).images[0]
     ours = np.asarray(image).astype(np.float32) / 255
     assert np.abs(ours - ref).max() <= 1.5 / 255
+
+
+def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, tmp_path, capsys):
+    """Flow-GRPO-Fast's FLUX.1-dev preset, scaled down to the tiny FLUX.1-dev (one group of 2, JPEG size as
+    reward): its window of 3 steps trains, and the LoRA on its targets (the feed-forward layers too) loads in the
+    stock pipeline."""
+    from refl_ddpo.trainers import grpo
+
+    out = tmp_path / "fast"
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        "flow_grpo_fast_flux",
+        model=DEV,
+        reward="jpeg_compressibility",
+        prompt_fn="simple_animals",
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        group_size=2,
+        train_batch_size=2,
+        train_gradient_accumulation_steps=1,
+        num_epochs=1,
+        lora_rank=4,
+        lora_alpha=4,
+        lora_init="random",
+        learning_rate="3e-2",
+        mixed_precision="no",
+        device="cpu",
+        report_to="none",
+    )
+    grpo.main(flags)
+    assert "trained timesteps per sample: 3" in capsys.readouterr().out
+    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
