@@ -23,14 +23,44 @@ class Case:
     setup: Callable[[Bench], tuple[Callable[[], torch.Tensor], dict]]
 
 
-def refl_case(mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = False) -> Case:
+def _text_encoder_bytes(family) -> int:
+    """Device bytes of the family's text encoders' weights (each tensor a 512-byte block): what a trainer that kept
+    them off the GPU would not hold."""
+    from benchmarks.memory import round_block
+
+    encoders = [getattr(family.pipe, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    tensors = [t for e in encoders if e is not None for t in (*e.parameters(), *e.buffers())]
+    return sum(round_block(t.numel() * t.element_size()) for t in tensors)
+
+
+def _flux_trainable(b: Bench, mode: str, config=None):
+    """FLUX.1-dev's transformer with LoRA on the family's default targets (the kit's FLUX default) and its family."""
+    from refl_ddpo.families.flux import Flux
+
+    base, params = b.trainable_unet(
+        mode, config, name="flux_transformer", targets=list(Flux.lora_target_modules)
+    )
+    family = b.flux_family(base)
+    b.text_encoder_bytes = _text_encoder_bytes(family)
+    return base, params, family
+
+
+def refl_case(
+    mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = False, flux: bool = False
+) -> Case:
     """One optimizer step of refl_ddpo.trainers.refl (its inner loop without logging), k fixed. `sd3_t5` not None:
-    on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5; `sdxl`: on SDXL base 1.0."""
+    on SD3.5 Medium (with or without its T5 encoder) instead of SD v1.5; `sdxl`: on SDXL base 1.0; `flux`: on
+    FLUX.1-dev (its embedded guidance at the pipeline's 3.5, as the trainer resolves it unset)."""
 
     def setup(b: Bench):
         from refl_ddpo.backprop import draft_step, refl_step
 
-        if sd3_t5 is None:
+        guidance = 1.0  # ReFL's rollout: CFG off
+        if flux:
+            base_unet, params, family = _flux_trainable(b, mode)
+            scheduler = family.rollout_scheduler("ddpm")  # flow matching: its Euler sampler either way
+            guidance = family.default_guidance_scale(guidance)
+        elif sd3_t5 is None:
             base_unet, params = b.trainable_unet(mode, name="sdxl_unet" if sdxl else "unet")
             family = b.sdxl_family(base_unet) if sdxl else b.family(base_unet)
             # the ReFL trainer's default rollout sampler (ReFL.py's)
@@ -63,7 +93,7 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = Fa
                     noise,
                     k,
                     num_inference_steps=b.cfg.refl_steps,
-                    guidance_scale=1.0,
+                    guidance_scale=guidance,
                     grad_scale=b.cfg.grad_scale,
                     generator=b.generator,
                     network=unet,
@@ -76,6 +106,9 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = Fa
 
         return run, {"unet": base_unet, "vae": family.vae, "reward": reward_model}
 
+    if flux:
+        settings = {"mode": mode, "batch": batch, "model": "flux.1-dev", "guidance_scale": 3.5}
+        return Case(f"flux_refl {mode} b{batch}", "flux_refl", "optimizer step", batch, settings, setup)
     if sdxl:
         settings = {"mode": mode, "batch": batch, "model": "sdxl-base-1.0"}
         return Case(f"sdxl_refl {mode} b{batch}", "sdxl_refl", "optimizer step", batch, settings, setup)
@@ -88,15 +121,24 @@ def refl_case(mode: str, batch: int, sd3_t5: bool | None = None, sdxl: bool = Fa
     return Case(name, "sd35m_refl", "optimizer step", batch, settings, setup)
 
 
-def _ddpo_setup(b: Bench):
+FLUX_GRPO_ETA = 0.7  # the flow SDE's noise level of the kit's GRPO (Flow-GRPO's default); no effect on memory
+
+
+def _ddpo_setup(b: Bench, flux: bool = False):
     """The DDPO trainer's models: the family with a DDIM scheduler, LoRA UNet prepared with its optimizer, and the
-    empty prompt's conditioning (batch 1)."""
+    empty prompt's conditioning (batch 1). `flux`: GRPO's on FLUX.1-dev (the family's policy sampler, the flow SDE;
+    the LoRA on the family's default targets)."""
     from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 
-    config = b.ddpo_config()
-    base_unet, params = b.trainable_unet("lora", config)
-    family = b.family(base_unet)
-    scheduler = family.scheduler("DDIMScheduler")
+    if flux:
+        config = b.ddpo_config(eta=FLUX_GRPO_ETA)
+        base_unet, params, family = _flux_trainable(b, "lora", config)
+        scheduler = family.policy_scheduler()
+    else:
+        config = b.ddpo_config()
+        base_unet, params = b.trainable_unet("lora", config)
+        family = b.family(base_unet)
+        scheduler = family.scheduler("DDIMScheduler")
     family.pipe.scheduler = scheduler
     unet, optimizer = b.prepare(
         base_unet, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
@@ -135,11 +177,12 @@ def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward
     )
 
 
-def ddpo_sample_case(batch: int) -> Case:
-    """refl_ddpo.trainers.ddpo.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode."""
+def ddpo_sample_case(batch: int, flux: bool = False) -> Case:
+    """refl_ddpo.trainers.ddpo.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode. `flux`:
+    GRPO's sampling on FLUX.1-dev (the same function: flow SDE steps at the embedded guidance, no CFG)."""
 
     def setup(b: Bench):
-        config, family, scheduler, unet, _, _, uncond = _ddpo_setup(b)
+        config, family, scheduler, unet, _, _, uncond = _ddpo_setup(b, flux)
         reward = _pixel_mean_reward()
 
         def run():
@@ -148,18 +191,23 @@ def ddpo_sample_case(batch: int) -> Case:
 
         return run, {"unet": family.network, "vae": family.vae}
 
+    if flux:
+        return Case(
+            f"flux_grpo_sample b{batch}", "flux_grpo_sample", "sampled batch", batch, {"batch": batch}, setup
+        )
     return Case(f"ddpo_sample b{batch}", "ddpo_sample", "sampled batch", batch, {"batch": batch}, setup)
 
 
-def ddpo_train_case(batch: int, micro: int) -> Case:
-    """refl_ddpo.trainers.ddpo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip."""
+def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
+    """refl_ddpo.trainers.ddpo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip. `flux`:
+    GRPO's training pass on FLUX.1-dev (the same function; no CFG: one transformer call per trained step)."""
 
     def setup(b: Bench):
         from refl_ddpo.rollouts import collect_rewards, stack_samples
         from refl_ddpo.trainers.ddpo import train_on_samples
         from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 
-        config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b)
+        config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b, flux)
         # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
         batches = _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, _pixel_mean_reward())
         collect_rewards(batches)
@@ -192,9 +240,10 @@ def ddpo_train_case(batch: int, micro: int) -> Case:
 
         return run, {"unet": family.network}
 
+    bench = "flux_grpo_train" if flux else "ddpo_train"
     return Case(
-        f"ddpo_train b{batch}",
-        "ddpo_train",
+        f"{bench} b{batch}",
+        bench,
         "training pass",
         batch,
         {"batch": batch, "micro_batch": micro},
@@ -279,40 +328,47 @@ def forward_case(name: str) -> Case:
     return Case(f"forward {name}", "forward", "forward", 1, {"model": name}, setup)
 
 
+def _bench_cases(cfg: BenchConfig, bench: str) -> list[Case]:
+    """The cases of one --only entry."""
+    refl_grid = [(m, bs) for m in cfg.refl_modes for bs in cfg.refl_batch_sizes]
+    sample, micro = cfg.ddpo_sample_batch_size, cfg.ddpo_train_batch_size
+    builders = {
+        "refl": lambda: [refl_case(m, bs) for m, bs in refl_grid],
+        "ddpo_sample": lambda: [ddpo_sample_case(sample)],
+        "ddpo_train": lambda: [ddpo_train_case(sample, micro)],
+        "inference": lambda: [inference_case(bs) for bs in cfg.inference_batch_sizes],
+        "sd35m_refl": lambda: [refl_case(m, bs, t5) for t5 in (False, True) for m, bs in refl_grid],
+        "sdxl_refl": lambda: [refl_case(m, bs, sdxl=True) for m, bs in refl_grid],
+        "flux_refl": lambda: [refl_case(m, bs, flux=True) for m, bs in refl_grid],
+        "flux_grpo_sample": lambda: [ddpo_sample_case(sample, flux=True)],
+        "flux_grpo_train": lambda: [ddpo_train_case(sample, micro, flux=True)],
+        "forward": lambda: [forward_case(n) for n in ("unet", "vae", "text_encoder", "reward")],
+    }
+    return builders[bench]()
+
+
+def _record_steps(cfg: BenchConfig, case: Case) -> None:
+    """The step counts (and sampler settings) of this config in the case's settings, for the JSON."""
+    if case.bench in ("refl", "sd35m_refl", "sdxl_refl", "flux_refl"):
+        case.settings.update(steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm")
+        if cfg.refl_backprop_steps:
+            del case.settings["k"]
+            case.settings.update(backprop_steps=cfg.refl_backprop_steps, unet_calls=cfg.refl_steps)
+    elif case.bench.startswith("ddpo"):
+        case.settings.update(steps=cfg.ddpo_steps, guidance_scale=cfg.ddpo_guidance_scale, eta=1.0)
+    elif case.bench.startswith("flux_grpo"):  # the embedded guidance; the flow SDE's noise level
+        case.settings.update(
+            steps=cfg.ddpo_steps,
+            guidance_scale=cfg.ddpo_guidance_scale,
+            eta=FLUX_GRPO_ETA,
+            model="flux.1-dev",
+        )
+    elif case.bench == "inference":
+        case.settings.update(steps=cfg.inference_steps, guidance_scale=cfg.inference_guidance_scale, eta=0.0)
+
+
 def make_cases(cfg: BenchConfig) -> list[Case]:
-    cases: list[Case] = []
-    for bench in cfg.cases:
-        if bench == "refl":
-            cases += [refl_case(m, bs) for m in cfg.refl_modes for bs in cfg.refl_batch_sizes]
-        elif bench == "ddpo_sample":
-            cases.append(ddpo_sample_case(cfg.ddpo_sample_batch_size))
-        elif bench == "ddpo_train":
-            cases.append(ddpo_train_case(cfg.ddpo_sample_batch_size, cfg.ddpo_train_batch_size))
-        elif bench == "inference":
-            cases += [inference_case(bs) for bs in cfg.inference_batch_sizes]
-        elif bench == "sd35m_refl":
-            cases += [
-                refl_case(m, bs, t5)
-                for t5 in (False, True)
-                for m in cfg.refl_modes
-                for bs in cfg.refl_batch_sizes
-            ]
-        elif bench == "sdxl_refl":
-            cases += [refl_case(m, bs, sdxl=True) for m in cfg.refl_modes for bs in cfg.refl_batch_sizes]
-        elif bench == "forward":
-            cases += [forward_case(n) for n in ("unet", "vae", "text_encoder", "reward")]
-    for case in cases:  # the step counts of this config, for the JSON
-        if case.bench in ("refl", "sd35m_refl", "sdxl_refl"):
-            case.settings.update(
-                steps=cfg.refl_steps, k=cfg.refl_k, unet_calls=cfg.refl_k + 1, sampler="ddpm"
-            )
-            if cfg.refl_backprop_steps:
-                del case.settings["k"]
-                case.settings.update(backprop_steps=cfg.refl_backprop_steps, unet_calls=cfg.refl_steps)
-        elif case.bench.startswith("ddpo"):
-            case.settings.update(steps=cfg.ddpo_steps, guidance_scale=cfg.ddpo_guidance_scale, eta=1.0)
-        elif case.bench == "inference":
-            case.settings.update(
-                steps=cfg.inference_steps, guidance_scale=cfg.inference_guidance_scale, eta=0.0
-            )
+    cases = [case for bench in cfg.cases for case in _bench_cases(cfg, bench)]
+    for case in cases:
+        _record_steps(cfg, case)
     return cases

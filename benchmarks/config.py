@@ -11,7 +11,18 @@ import torch
 from refl_ddpo.config import ConfigBase, field_
 from refl_ddpo.errors import UserError
 
-CASES = ("refl", "ddpo_sample", "ddpo_train", "inference", "forward", "sd35m_refl", "sdxl_refl")
+CASES = (
+    "refl",
+    "ddpo_sample",
+    "ddpo_train",
+    "inference",
+    "forward",
+    "sd35m_refl",
+    "sdxl_refl",
+    "flux_refl",
+    "flux_grpo_sample",
+    "flux_grpo_train",
+)
 DEFAULT_CASES = "refl,ddpo_sample,ddpo_train,inference"
 
 

@@ -100,7 +100,8 @@ def run_flops_only(cfg: BenchConfig, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
         configs = model_configs(cfg.tiny, Path(workdir))
     per_sample = per_sample_flops(configs, resolution, cfg.lora_rank)
-    cases = [c for c in make_cases(cfg) if c.bench not in ("forward", "sd35m_refl")]  # SD v1.5 counts only
+    sd15 = ("refl", "ddpo_sample", "ddpo_train", "inference")
+    cases = [c for c in make_cases(cfg) if c.bench in sd15]  # SD v1.5 counts only
     rows = []
     for case in cases:
         flops = composed_flops(cfg, case, per_sample)

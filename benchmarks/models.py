@@ -55,6 +55,23 @@ SDXL_TINY_FOLDERS = {
     "sdxl_clip_g": "text_encoder_2",
 }
 
+# FLUX.1-dev (black-forest-labs/FLUX.1-dev): FluxTransformer2DModel with the guidance embedding (11.9 B parameters;
+# the published transformer/config.json, which are also diffusers' defaults but for guidance_embeds), the 16-channel
+# VAE (scaling 0.3611, shift 0.1159), CLIP-L (openai/clip-vit-large-patch14's text tower, SD v1.5's) and the T5-XXL
+# encoder (google/t5-v1_1-xxl, SD3.5's text_encoder_3). The scheduler is the tiny FLUX.1-dev's (its published one).
+FLUX_CONFIG_FILES = {
+    "flux_transformer": "flux1dev_transformer.json",
+    "flux_vae": "flux1dev_vae.json",
+    "flux_clip_l": "flux1dev_text_encoder.json",
+    "flux_t5": "flux1dev_text_encoder_2.json",
+}
+FLUX_TINY_FOLDERS = {
+    "flux_transformer": "transformer",
+    "flux_vae": "vae",
+    "flux_clip_l": "text_encoder",
+    "flux_t5": "text_encoder_2",
+}
+
 
 def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
@@ -105,6 +122,16 @@ def sdxl_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
     return {name: _read_json(folder / sub / "config.json") for name, sub in SDXL_TINY_FOLDERS.items()}
 
 
+def flux_configs(tiny: bool, workdir: Path) -> dict[str, dict]:
+    """FLUX.1-dev's configs kept in benchmarks/configs, or those of refl_ddpo.testing.tiny's tiny FLUX.1-dev."""
+    if not tiny:
+        return {name: _read_json(CONFIG_DIR / f) for name, f in FLUX_CONFIG_FILES.items()}
+    from refl_ddpo.testing.tiny_flux import write_tiny_flux
+
+    folder, _ = write_tiny_flux(workdir)
+    return {name: _read_json(folder / sub / "config.json") for name, sub in FLUX_TINY_FOLDERS.items()}
+
+
 def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
     """One model with freshly initialised random weights, on the current default device (a `torch.device` context:
     meta for counting parameters, the GPU to skip a slow CPU init). `tokenizer`: ImageReward's BERT tokenizer."""
@@ -116,7 +143,7 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
         from diffusers import AutoencoderKL
 
         return AutoencoderKL.from_config(config)
-    if name in ("text_encoder", "sdxl_clip_l"):
+    if name in ("text_encoder", "sdxl_clip_l", "flux_clip_l"):
         from transformers import CLIPTextConfig, CLIPTextModel
 
         return CLIPTextModel(CLIPTextConfig(**config, attn_implementation=attention))
@@ -124,7 +151,11 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
         from diffusers import SD3Transformer2DModel
 
         return SD3Transformer2DModel.from_config(config)
-    if name == "sd3_vae":
+    if name == "flux_transformer":
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel.from_config(config)
+    if name in ("sd3_vae", "flux_vae"):
         from diffusers import AutoencoderKL
 
         return AutoencoderKL.from_config(config)
@@ -132,7 +163,7 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
         return CLIPTextModelWithProjection(CLIPTextConfig(**config, attn_implementation=attention))
-    if name == "sd3_t5":
+    if name in ("sd3_t5", "flux_t5"):
         from transformers import T5Config, T5EncoderModel
 
         return T5EncoderModel(T5Config(**config, attn_implementation=attention))
@@ -184,6 +215,7 @@ class Bench:
         self.workdir = workdir
         self._sd3_configs = None
         self._sdxl_configs = None
+        self._flux_configs = None
         self.dtype = cfg.resolved_dtype
         self.configs = configs
         self.resolution = cfg.resolution or (32 if cfg.tiny else 512)
@@ -239,14 +271,27 @@ class Bench:
         """A frozen model in `dtype` on the device, with attention / channels_last as asked."""
         if name in self.configs:
             config = self.configs[name]
+        elif name.startswith("sdxl_"):
+            config = self.sdxl_configs[name]
+        elif name.startswith("flux_"):
+            config = self.flux_configs[name]
         else:
-            config = self.sdxl_configs[name] if name.startswith("sdxl_") else self.sd3_configs[name]
+            config = self.sd3_configs[name]
         with torch.device(self.device):
             model = construct(name, config, self.cfg.attention, self.bert_tokenizer)
         model.requires_grad_(False).eval()
         model.to(dtype=self.dtype)
-        if name in ("unet", "vae", "sd3_transformer", "sd3_vae", "sdxl_unet", "sdxl_vae"):
-            if self.cfg.attention == "eager":
+        if name in (
+            "unet",
+            "vae",
+            "sd3_transformer",
+            "sd3_vae",
+            "sdxl_unet",
+            "sdxl_vae",
+            "flux_transformer",
+            "flux_vae",
+        ):
+            if self.cfg.attention == "eager" and name != "flux_transformer":  # FLUX keeps its own processor
                 from diffusers.models.attention_processor import AttnProcessor
 
                 model.set_attn_processor(AttnProcessor())
@@ -336,11 +381,39 @@ class Bench:
             )
         )
 
+    @property
+    def flux_configs(self) -> dict[str, dict]:
+        if self._flux_configs is None:
+            self._flux_configs = flux_configs(self.cfg.tiny, self.workdir)
+        return self._flux_configs
+
+    def flux_family(self, transformer):
+        """The FLUX.1 family around `transformer` with a fresh 16-channel VAE, CLIP-L and T5-XXL encoder: what
+        `load_family` gives for a FLUX.1-dev folder (its scheduler config: dynamic shifting)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        from refl_ddpo.families.flux import Flux
+        from refl_ddpo.testing.tiny_flux import DEV_SCHEDULER
+        from refl_ddpo.testing.tiny_parts import t5_tokenizer
+
+        return Flux(
+            FluxPipeline(
+                transformer=transformer,
+                vae=self.build("flux_vae"),
+                text_encoder=self.build("flux_clip_l"),
+                tokenizer=self.clip_tokenizer,
+                text_encoder_2=self.build("flux_t5"),
+                tokenizer_2=t5_tokenizer(),
+                scheduler=FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER),
+            )
+        )
+
     def trainable_unet(
-        self, mode: str, config=None, name: str = "unet"
+        self, mode: str, config=None, name: str = "unet", targets: list[str] | None = None
     ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
-        """The UNet as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on a frozen base in dtype
-        (adapters fp32), or all of it in fp32; gradient checkpointing if asked."""
+        """The UNet (or the network `name`) as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on
+        a frozen base in dtype (adapters fp32) on `targets` (default: the SD family's), or all of it in fp32;
+        gradient checkpointing if asked."""
         from refl_ddpo.trainers.skeleton import trainable_spec
         from refl_ddpo.training import make_trainable
 
@@ -349,7 +422,7 @@ class Bench:
             config or self.common,
             use_lora=mode == "lora",
             lora_rank=self.cfg.lora_rank,
-            lora_target_modules=self.common.lora_target_modules,
+            lora_target_modules=targets or self.common.lora_target_modules,
             gradient_checkpointing=self.cfg.gradient_checkpointing,
         )
         return unet, make_trainable(unet, trainable_spec(config))
@@ -391,8 +464,9 @@ class Bench:
         prompts, metadata = zip(*(self.prompt_fn() for _ in range(batch)), strict=False)
         return list(prompts), list(metadata)
 
-    def ddpo_config(self):
-        """The DDPO trainer's config for one sampled batch and one training pass over it (one optimizer step)."""
+    def ddpo_config(self, eta: float = 1.0):
+        """The DDPO trainer's config for one sampled batch and one training pass over it (one optimizer step);
+        `eta`: the sampler's noise (DDIM eta; the flow SDE's noise level on FLUX.1)."""
         from refl_ddpo.trainers.ddpo_config import DDPOConfig
 
         c = self.cfg
@@ -401,7 +475,7 @@ class Bench:
             sample_num_batches_per_epoch=1,
             sample_num_steps=c.ddpo_steps,
             sample_guidance_scale=c.ddpo_guidance_scale,
-            sample_eta=1.0,
+            sample_eta=eta,
             train_batch_size=c.ddpo_train_batch_size,
             train_gradient_accumulation_steps=c.ddpo_sample_batch_size // c.ddpo_train_batch_size,
             train_timestep_fraction=1.0,

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 from refl_ddpo.errors import UserError
 
 # Appended to the help of every guidance-scale flag: FLUX.1's guidance is an input of the network (families/flux.py).
-FLUX_GUIDANCE = " FLUX.1-dev takes it as its embedded guidance instead (the pipeline's default is 3.5; schnell ignores it)."
+FLUX_GUIDANCE = " FLUX.1-dev takes it as its embedded guidance instead (unset: the pipeline's default, 3.5; schnell ignores it)."
 
 
 def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, ...] = (), **kw) -> Any:
@@ -46,6 +46,14 @@ def field_sections(cls: type) -> list[tuple[str, list[dataclasses.Field]]]:
         title = f.metadata.get("group") or inherited.get(f.name) or title
         sections.setdefault(title, []).append(f)
     return list(sections.items())
+
+
+def guidance_field(cfg_default: float, help: str, **kw) -> Any:
+    """A guidance-scale flag, None (unset) until the model's family is known: `refl_ddpo.families.resolve_guidance`
+    then gives it `cfg_default` on a family with classifier-free guidance and the pipeline's embedded guidance on
+    FLUX.1 (`ModelFamily.default_guidance_scale`); a value the user sets always wins. The printed and saved config
+    show the value used."""
+    return field_(None, f"{help} Default: {cfg_default:g}.{FLUX_GUIDANCE}", cfg_default=cfg_default, **kw)
 
 
 class ConfigBase:
@@ -190,9 +198,8 @@ class CommonConfig(ConfigBase):
         group="sampling",
     )
     num_inference_steps: int = field_(40, "Denoising steps of the sampler.")
-    guidance_scale: float = field_(
-        7.5,
-        "Classifier-free guidance scale used when sampling (1 turns CFG off)." + FLUX_GUIDANCE,
+    guidance_scale: float | None = guidance_field(
+        7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off)."
     )
     learning_rate: float = field_(1e-4, "AdamW learning rate.", group="optimisation", gt=0)
     adam_beta1: float = field_(0.9, "AdamW beta1.", ge=0, lt=1)
@@ -271,10 +278,8 @@ class CommonConfig(ConfigBase):
         "Steps of the validation sampler, the long deterministic one: DDIM with eta 0 (SD 1.x/2.x) or the flow "
         "ODE (SD3, FLUX.1), as inference.py runs them.",
     )
-    validation_guidance_scale: float = field_(
-        7.5,
-        "Classifier-free guidance of the validation sampler (1 turns CFG off)." + FLUX_GUIDANCE,
-        ge=0,
+    validation_guidance_scale: float | None = guidance_field(
+        7.5, "Classifier-free guidance of the validation sampler (1 turns CFG off).", ge=0
     )
     validation_batch_size: int = field_(
         4, "Validation images per network batch: memory and speed (the images change only by float rounding)."

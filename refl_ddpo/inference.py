@@ -19,12 +19,14 @@ belong to its images nor images of another run; a folder holding any other file 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,13 +48,17 @@ from refl_ddpo.lora import CONFIG_NAME, load_lora_into_pipeline
 from refl_ddpo.models import torch_dtype
 from refl_ddpo.prompts import load_prompts
 
+if TYPE_CHECKING:
+    from refl_ddpo.families.base import ModelFamily
+
 __all__ = ["InferenceConfig", "LoraInferenceConfig", "main_base", "main_lora", "run_inference"]
 
 
-def load_inference_family(cfg: InferenceConfig):
+def load_inference_family(cfg: InferenceConfig) -> tuple[ModelFamily, InferenceConfig]:
     """The frozen model family (base, plus the LoRA for a `LoraInferenceConfig`) with the chosen scheduler set as
-    `family.pipe.scheduler`; `cfg.resolution` resolved to the model's native one where unset."""
-    from refl_ddpo.families import load_family
+    `family.pipe.scheduler`, and the config as used: a copy with what the model decides where the flag was left
+    unset (the family's first scheduler, its native resolution, its default guidance). `cfg` is not changed."""
+    from refl_ddpo.families import load_family, resolve_guidance
 
     try:
         family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device, drop_t5=cfg.drop_t5)
@@ -63,28 +69,28 @@ def load_inference_family(cfg: InferenceConfig):
                 "--pretrained_model to use another)."
             ) from None
         raise
-    if cfg.scheduler is None:
-        cfg.scheduler = next(iter(family.schedulers))
-    if cfg.scheduler not in family.schedulers:
+    scheduler = cfg.scheduler or next(iter(family.schedulers))
+    if scheduler not in family.schedulers:
         raise UserError(
-            f"--scheduler {cfg.scheduler} does not fit a {family.name} model; use one of "
+            f"--scheduler {scheduler} does not fit a {family.name} model; use one of "
             f"{', '.join(family.schedulers)}."
         )
-    if cfg.eta and cfg.scheduler != "ddim":
+    if cfg.eta and scheduler != "ddim":
         raise UserError(
             f"--eta {cfg.eta} needs --scheduler ddim, which a {family.name} model does not offer."
         )
-    family.pipe.scheduler = family.scheduler(family.schedulers[cfg.scheduler])
-    if cfg.resolution is None:
-        cfg.resolution = family.native_resolution
-    if cfg.resolution % family.vae_scale_factor:
+    family.pipe.scheduler = family.scheduler(family.schedulers[scheduler])
+    resolution = cfg.resolution or family.native_resolution
+    if resolution % family.vae_scale_factor:
         raise UserError(
-            f"--resolution {cfg.resolution} must be a multiple of this VAE's scale factor "
-            f"{family.vae_scale_factor}."
+            f"--resolution {resolution} must be a multiple of this VAE's scale factor {family.vae_scale_factor}."
         )
     if isinstance(cfg, LoraInferenceConfig):
         load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale)
-    return family
+    used = dataclasses.replace(cfg, scheduler=scheduler, resolution=resolution)
+    if hasattr(cfg, "base_from_lora_config"):  # set by check() beside the fields: kept on the copy
+        used.base_from_lora_config = cfg.base_from_lora_config
+    return family, resolve_guidance(used, type(family))
 
 
 class RewardScorer:
@@ -281,7 +287,9 @@ def run_inference(cfg: InferenceConfig) -> dict:
 
     # ---- models ----
     quiet_hf_logging()
-    family = load_inference_family(cfg)
+    family, cfg = load_inference_family(cfg)  # the settings the model decides, where left unset
+    resolved = {k: getattr(cfg, k) for k in ("scheduler", "resolution", "guidance_scale")}
+    print("  used: " + ", ".join(f"{k} {v}" for k, v in resolved.items()), flush=True)
     scorers = make_scorers(cfg.rewards, cfg.reward_model_dir, cfg.device)
     names = list(scorers)
     settings = {

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from refl_ddpo.config import FLUX_GUIDANCE, ConfigBase, field_
+from refl_ddpo.config import ConfigBase, field_, guidance_field
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME, check_lora_dir, read_saved_config
 from refl_ddpo.models import check_pretrained_model
@@ -70,8 +70,8 @@ class InferenceConfig(ConfigBase):
     )
     num_images_per_prompt: int = field_(4, "Images generated for each prompt (each with its own seed).")
     num_inference_steps: int = field_(50, "Denoising steps of the sampler.")
-    guidance_scale: float = field_(
-        7.5, "Classifier-free guidance scale (1 or less turns CFG off)." + FLUX_GUIDANCE
+    guidance_scale: float | None = guidance_field(
+        7.5, "Classifier-free guidance scale (1 or less turns CFG off)."
     )
     scheduler: Literal["ddim", "euler"] | None = field_(
         None,
@@ -109,7 +109,7 @@ class InferenceConfig(ConfigBase):
             self.check_positive("resolution")
         if self.grid_max_images < 0:
             raise UserError(f"--grid_max_images must be >= 0 (got {self.grid_max_images}); 0 writes no grid.")
-        if self.guidance_scale < 0:
+        if self.guidance_scale is not None and self.guidance_scale < 0:
             raise UserError(f"--guidance_scale must be >= 0 (got {self.guidance_scale}); 1 turns CFG off.")
         if self.eta < 0:
             raise UserError(f"--eta must be >= 0 (got {self.eta}); 0 is deterministic DDIM.")

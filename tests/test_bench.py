@@ -56,6 +56,19 @@ def test_sdxl_configs_have_sdxl_base_parameter_counts(tmp_path):
     }
 
 
+def test_flux_configs_have_flux1_dev_parameter_counts(tmp_path):
+    # FLUX.1-dev: transformer 11,901,408,320 (the published 12 B); VAE 83,819,683 (SD3's architecture); CLIP ViT-L/14
+    # text 123,060,480; T5 v1.1 XXL encoder 4,762,310,656 (SD3.5's text_encoder_3).
+    from benchmarks.models import flux_configs
+
+    assert parameter_counts(flux_configs(False, tmp_path)) == {
+        "flux_transformer": 11_901_408_320,
+        "flux_vae": 83_819_683,
+        "flux_clip_l": 123_060_480,
+        "flux_t5": 4_762_310_656,
+    }
+
+
 def test_sweep_children_get_the_parents_workload_flags():
     cfg = parse_config(
         BenchConfig,
@@ -289,3 +302,62 @@ def test_memory_only_ddpo_on_tiny_models(tmp_path):
     assert sample["setup_bytes"] <= sample["steady_bytes"] < sample["peak_bytes"]
     assert train["setup_bytes"] < train["steady_bytes"] < train["peak_bytes"]
     assert train["peak_bytes"] > sample["peak_bytes"]
+
+
+def test_memory_only_flux_cases_on_tiny_models(tmp_path):
+    """FLUX.1's ReFL step and GRPO's sampling and training pass count on meta (the tiny FLUX.1-dev), with the text
+    encoders' weights beside the peak and the derived peak without them."""
+    import torch
+
+    from benchmarks.memory import architectures, round_block, run_memory_only
+    from benchmarks.models import construct, flux_configs
+
+    argv = [
+        "--memory_only",
+        "--tiny",
+        "--out",
+        str(tmp_path),
+        "--only",
+        "flux_refl,flux_grpo_sample,flux_grpo_train",
+    ]
+    argv += ["--refl_modes", "lora", "--refl_batch_sizes", "1", "--refl_steps", "3", "--refl_k", "1"]
+    argv += ["--ddpo_sample_batch_size", "1", "--ddpo_train_batch_size", "1", "--ddpo_steps", "2"]
+    refl, sample, train = run_memory_only(parse_config(BenchConfig, argv), argv)["cases"]
+    assert [c["name"] for c in (refl, sample, train)] == [
+        "flux_refl lora b1",
+        "flux_grpo_sample b1",
+        "flux_grpo_train b1",
+    ]
+    assert refl["setup_bytes"] < refl["steady_bytes"] < refl["peak_bytes"]
+    assert train["setup_bytes"] < train["steady_bytes"] < train["peak_bytes"]
+    configs = flux_configs(True, tmp_path / "models")
+    with torch.device("meta"):
+        encoders = [construct(n, configs[n]) for n in ("flux_clip_l", "flux_t5")]
+    tensors = [t for e in encoders for t in (*e.parameters(), *e.buffers())]  # bf16, but integer buffers
+    expected = sum(
+        round_block(t.numel() * (2 if t.is_floating_point() else t.element_size())) for t in tensors
+    )
+    for case in (refl, sample, train):
+        assert case["text_encoder_bytes"] == expected
+        assert case["peak_text_encoders_offloaded_bytes"] == case["peak_bytes"] - expected
+    table = (tmp_path / "memory.md").read_text()
+    assert "| flux_refl lora b1 |" in table and "text encoders off the device" in table
+    assert architectures(["flux_refl", "flux_grpo_train"]) == "FLUX.1-dev architecture"
+
+
+def test_committed_memory_results_name_the_architecture_they_count():
+    """Every memory.json under benchmarks/results names the architectures of its cases (memory_sd35m_512 once said
+    SD v1.5 for SD3.5 Medium)."""
+    import json
+
+    from benchmarks.memory import architectures
+
+    results = sorted(Path(__file__).resolve().parents[1].glob("benchmarks/results/memory_*/memory.json"))
+    assert results
+    for path in results:
+        data = json.loads(path.read_text())
+        if data["meta"]["options"]["tiny"]:
+            continue
+        cases = [c.strip() for c in data["meta"]["options"]["only"].split(",") if c.strip()]
+        assert data["meta"]["models"] == architectures(cases), path
+        assert f"not measured: {architectures(cases)}," in (path.parent / "memory.md").read_text(), path

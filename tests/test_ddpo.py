@@ -23,8 +23,9 @@ from refl_ddpo.algorithms.policy import (
     ppo_clip_loss,
 )
 from refl_ddpo.errors import UserError
-from refl_ddpo.families import load_family
+from refl_ddpo.families import load_family, resolve_guidance
 from refl_ddpo.families.base import cond_expand
+from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
 from refl_ddpo.ppo import train_on_samples
 from refl_ddpo.rewards import build_reward
@@ -195,7 +196,7 @@ def _cfg(**kw) -> DDPOConfig:
         "device": "cpu",
         "report_to": "none",
     }
-    return DDPOConfig(**{**base, **kw})
+    return resolve_guidance(DDPOConfig(**{**base, **kw}), StableDiffusion)  # the trainer's resolution on SD
 
 
 def _sample(family, negative, cfg, seed=0):
@@ -414,6 +415,8 @@ def test_config_check_names_the_fields(argv, names):
 
 def test_defaults_are_ddpo_pytorch_base():
     cfg = parse_ddpo_config([])
+    assert cfg.sample_guidance_scale is None  # unset until the model's family is known
+    cfg = resolve_guidance(cfg, StableDiffusion)  # as the trainer resolves it for an SD model
     assert (cfg.reward, cfg.prompt_fn, cfg.sample_num_steps, cfg.sample_eta, cfg.sample_guidance_scale) == (
         "jpeg_compressibility",
         "imagenet_animals",

@@ -4,6 +4,7 @@ the resolution-dependent shift), packing at the network call, the reward gradien
 ReFL / GRPO / DDPO LoRAs in the stock `load_lora_weights`, the card and validation naming the family, and a resumed
 ReFL run equal to the uninterrupted one."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -409,3 +410,160 @@ def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_mo
     flags[flags.index("--pretrained_model") + 1] = str(tiny_models / SCHNELL)
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
     assert_lora_changes_stock_images(_stock(tiny_models / SCHNELL), out, RES, part="transformer")
+
+
+# ---- guidance defaults: an unset guidance flag takes FLUX.1-dev's embedded 3.5, not an SD trainer's CFG default ----
+
+
+def _guidance_flags(cls, model: Path, *flags: str):
+    from refl_ddpo.flags import parse_config
+
+    return parse_config(cls, ["--pretrained_model", str(model), *flags])
+
+
+GUIDANCE_FIELDS = {  # config class name -> its guidance flags and their CFG defaults (what SD resolves them to)
+    "ReFLConfig": {"guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+    "DDPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
+    "GRPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
+    "NFTConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+    "AWMConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+}
+
+
+def _config_classes():
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+    from refl_ddpo.trainers.forward_config import AWMConfig, NFTConfig
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    return [ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig]
+
+
+def test_unset_guidance_flags_resolve_per_family_and_a_set_one_wins(tiny_models):
+    """Every trainer's guidance flags: unset, FLUX.1-dev (and schnell, which ignores it) gets the pipeline's 3.5
+    and SD 1.x its CFG default as before; a value the user gives is kept on both; the DDPO-style alias reads the
+    resolved value."""
+    from refl_ddpo.families import resolve_guidance
+
+    for cls in _config_classes():
+        defaults = GUIDANCE_FIELDS[cls.__name__]
+        for model, expected in [
+            (tiny_models / DEV, dict.fromkeys(defaults, 3.5)),
+            (tiny_models / SCHNELL, dict.fromkeys(defaults, 3.5)),
+            (tiny_models / "stable-diffusion", defaults),
+        ]:
+            cfg = _guidance_flags(cls, model)
+            assert all(getattr(cfg, name) is None for name in defaults), cls.__name__  # unset until resolved
+            resolved = resolve_guidance(cfg)
+            assert {n: getattr(resolved, n) for n in defaults} == expected, (cls.__name__, model.name)
+            sampler = next(iter(defaults))
+            given = resolve_guidance(_guidance_flags(cls, model, f"--{sampler}", "2.0"))
+            assert (
+                getattr(given, sampler) == 2.0
+                and given.validation_guidance_scale == expected["validation_guidance_scale"]
+            )
+            if sampler == "sample_guidance_scale":  # the common flag is an alias of it
+                assert resolved.guidance_scale == resolved.sample_guidance_scale
+                alias = resolve_guidance(_guidance_flags(cls, model, "--guidance_scale", "2.5"))
+                assert alias.sample_guidance_scale == alias.guidance_scale == 2.5
+
+
+def test_trainer_records_the_guidance_it_resolved(tiny_models, tmp_path):
+    """The trainers' shared checks resolve the unset guidance from model_index.json before any weights load: the
+    config they print and save beside the LoRA says 3.5 on FLUX.1-dev."""
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+    from refl_ddpo.trainers.skeleton import shared_checks
+
+    cfg = _guidance_flags(ReFLConfig, tiny_models / DEV, "--reward_model_dir", str(tiny_models))
+    resolved = shared_checks(cfg)
+    assert (resolved.guidance_scale, resolved.validation_guidance_scale) == (3.5, 3.5)
+    assert resolved.to_dict()["guidance_scale"] == 3.5
+    assert re.search(r"^  guidance_scale +=  ?3\.5$", resolved.pretty(), re.MULTILINE)
+
+
+@pytest.mark.parametrize("flags, expected", [((), 3.5), (("--guidance_scale", "2.0"), 2.0)])
+def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
+    flags, expected, tiny_models, stock, tmp_path, monkeypatch, capsys
+):
+    """inference.py on FLUX.1-dev: without --guidance_scale the transformer gets the stock pipeline's 3.5 as its
+    embedded guidance (the image equals FluxPipeline's default call), with it the value given; scores.json and the
+    PNG's settings record the value used, and so do the printed lines."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from refl_ddpo import inference
+    from refl_ddpo.flags import parse_config
+
+    seen = []
+    predict = Flux.predict
+
+    def recording(self, *args, **kwargs):
+        seen.append(args[5])  # guidance_scale
+        return predict(self, *args, **kwargs)
+
+    monkeypatch.setattr(Flux, "predict", recording)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n")
+    argv = ["--pretrained_model", str(tiny_models / DEV), "--prompts_file", str(prompts), "--device", "cpu"]
+    argv += [
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--num_images_per_prompt",
+        "1",
+        "--num_inference_steps",
+        "2",
+    ]
+    argv += ["--resolution", str(RES), "--rewards", "jpeg_compressibility", "--seed", str(SEEDS[0]), *flags]
+    result = inference.run_inference(parse_config(inference.InferenceConfig, argv))
+    assert set(seen) == {expected} and result["config"]["guidance_scale"] == expected
+    assert f"guidance_scale {expected}" in capsys.readouterr().out
+    image = Image.open(tmp_path / "out" / result["records"][0]["file"])
+    assert json.loads(image.text["parameters"])["guidance_scale"] == expected
+    kw = {} if not flags else {"guidance_scale": expected}  # the pipeline's own default when none is given
+    ref = stock[DEV](
+        PROMPTS[0],
+        height=RES,
+        width=RES,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(SEEDS[0]),
+        output_type="np",
+        **kw,
+    ).images[0]
+    ours = np.asarray(image).astype(np.float32) / 255
+    assert np.abs(ours - ref).max() <= 1.5 / 255
+
+
+def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, tmp_path, capsys):
+    """Flow-GRPO-Fast's FLUX.1-dev preset, scaled down to the tiny FLUX.1-dev (one group of 2, JPEG size as
+    reward): its window of 3 steps trains, and the LoRA on its targets (the feed-forward layers too) loads in the
+    stock pipeline."""
+    from refl_ddpo.trainers import grpo
+
+    out = tmp_path / "fast"
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        "flow_grpo_fast_flux",
+        model=DEV,
+        reward="jpeg_compressibility",
+        prompt_fn="simple_animals",
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        group_size=2,
+        train_batch_size=2,
+        train_gradient_accumulation_steps=1,
+        num_epochs=1,
+        lora_rank=4,
+        lora_alpha=4,
+        lora_init="random",
+        learning_rate="3e-2",
+        mixed_precision="no",
+        device="cpu",
+        report_to="none",
+    )
+    grpo.main(flags)
+    assert "trained timesteps per sample: 3" in capsys.readouterr().out
+    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")

@@ -463,6 +463,46 @@ def test_flow_grpo_preset_and_flags():
     assert (toy3.sample_eta, toy3.lora_target_modules) == (0.7, ["add_k_proj", "add_v_proj"])
 
 
+# The FLUX.1-dev presets, from their sources: (name, steps, noise level, trained steps per sample, optimizer steps per
+# epoch on one GPU, window, reward, LoRA).
+FLUX_PRESETS = [
+    ("flow_grpo_flux", 6, 0.9, 5, 2, 0, "pickscore", True),
+    ("flow_grpo_fast_flux", 6, 0.8, 3, 2, 3, "pickscore", True),
+    ("dance_grpo_flux", 16, 0.3, 9, 3, 0, "hpsv2", False),
+]
+
+
+@pytest.mark.parametrize("name, steps, eta, trained, opt_steps, window, reward, lora", FLUX_PRESETS)
+def test_flux_presets_parse_and_resolve_on_a_flux_model(
+    name, steps, eta, trained, opt_steps, window, reward, lora, tiny_models, tmp_path
+):
+    """Each FLUX.1-dev preset parses (its checks pass), its numbers are its source's, and it resolves on a FLUX.1
+    folder as the trainer resolves it before loading (the model, the reward's files, the LoRA targets, the guidance:
+    3.5 embedded, sampled and validated alike); its groups fit one GPU."""
+    from refl_ddpo.families.flux import Flux
+    from refl_ddpo.trainers.ddpo_config import epoch_sizes
+    from refl_ddpo.trainers.grpo_config import FLOW_GRPO_FLUX_LORA, check_group_arithmetic
+    from refl_ddpo.trainers.skeleton import shared_checks
+
+    cfg = _parse(["--preset", name])
+    assert cfg.pretrained_model == "black-forest-labs/FLUX.1-dev" and cfg.mixed_precision == "bf16"
+    assert (cfg.sample_num_steps, cfg.sample_eta, cfg.sample_guidance_scale) == (steps, eta, 3.5)
+    assert (num_train_timesteps(cfg), cfg.sde_window, cfg.reward, cfg.use_lora) == (
+        trained,
+        window,
+        reward,
+        lora,
+    )
+    assert epoch_sizes(cfg, 1)["optimizer steps per epoch"] == opt_steps
+    check_group_arithmetic(cfg, 1)
+    if lora:
+        assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules) == (64, 128, FLOW_GRPO_FLUX_LORA)
+    local = ["--pretrained_model", str(tiny_models / "tiny-flux"), "--reward_model_dir", str(tiny_models)]
+    resolved = shared_checks(_parse(["--preset", name, *local, "--output_dir", str(tmp_path / "out")]))
+    assert resolved.sample_guidance_scale == resolved.validation_guidance_scale == 3.5
+    assert resolved.lora_target_modules == (FLOW_GRPO_FLUX_LORA if lora else Flux.lora_target_modules)
+
+
 # ---- the shell script end to end ----
 
 

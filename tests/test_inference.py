@@ -472,7 +472,7 @@ def test_paired_bootstrap_interval():
 @pytest.mark.parametrize("scheduler", sorted(StableDiffusion.schedulers))
 def test_every_scheduler_choice_runs(scheduler, tiny_sd, tmp_path):
     cfg = _config(tiny_sd, tmp_path / "unused.txt", tmp_path / "out", "--scheduler", scheduler)
-    family = inference.load_inference_family(cfg)
+    family, _ = inference.load_inference_family(cfg)
     assert type(family.pipe.scheduler).__name__ == StableDiffusion.schedulers[scheduler]
     a, b = (generate_batch(family, PROMPTS[:1], [5], 32, 2, 7.5) for _ in range(2))
     assert a.shape == (1, 3, 32, 32) and torch.isfinite(a).all() and torch.equal(a, b)

@@ -15,7 +15,7 @@ from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.backprop import kl_to_base, refl_step
-from refl_ddpo.families import load_family
+from refl_ddpo.families import load_family, resolve_guidance
 from refl_ddpo.families.sd import StableDiffusion
 from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
@@ -139,7 +139,8 @@ def test_later_flags_override_earlier_ones_and_defaults():
     cfg = parse_config(ReFLConfig, ["--grad_scale", "0.01", "--learning_rate", "1e-4", "--grad_scale", "0.5"])
     assert cfg.grad_scale == 0.5 and cfg.learning_rate == 1e-4
     assert (cfg.k_lo, cfg.k_hi, cfg.num_inference_steps, cfg.margin) == (30, 39, 40, 2.0)
-    assert cfg.output_dir == "checkpoint/refl_lora" and cfg.guidance_scale == 1.0 and cfg.scheduler == "ddpm"
+    assert cfg.output_dir == "checkpoint/refl_lora" and cfg.scheduler == "ddpm"
+    assert cfg.guidance_scale is None and resolve_guidance(cfg, StableDiffusion).guidance_scale == 1.0
     assert len(load_prompts(DATA_DIR / "refl_prompts.txt")) >= 30
     train = {p for p, _ in load_prompts(DATA_DIR / "refl_prompts.txt")}
     held_out = [p for p, _ in load_prompts(DATA_DIR / "eval_prompts.txt")]

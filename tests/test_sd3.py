@@ -251,7 +251,7 @@ def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, 
     flags = ["--pretrained_model", str(tiny_sd3), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]
     cfg = parse_config(inference.InferenceConfig, flags)
-    family = inference.load_inference_family(cfg)
+    family, cfg = inference.load_inference_family(cfg)
     assert cfg.scheduler == "euler" and cfg.resolution == RES
     assert type(family.pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
     ours = generate.generate_batch(family, PROMPTS, SEEDS, RES, 4, 5.0)

@@ -163,7 +163,7 @@ def test_inference_defaults_to_ddim_and_draws_the_stock_images(tiny_sdxl, stock,
     flags = ["--pretrained_model", str(tiny_sdxl), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]
     cfg = parse_config(inference.InferenceConfig, flags)
-    family = inference.load_inference_family(cfg)
+    family, cfg = inference.load_inference_family(cfg)
     assert cfg.scheduler == "ddim" and cfg.resolution == RES and family.name == "sdxl"
     ours = generate.generate_batch(family, PROMPTS, SEEDS, RES, 4, 5.0)
     original = stock.scheduler

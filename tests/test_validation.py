@@ -16,6 +16,9 @@ from helpers import trainer_flags
 from hub_standin import HubStandIn
 
 from refl_ddpo.errors import UserError
+from refl_ddpo.families import resolve_guidance
+from refl_ddpo.families.sd import StableDiffusion
+from refl_ddpo.families.sd3 import StableDiffusion3
 from refl_ddpo.flags import parse_config
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.trainers.ddpo_config import DDPOConfig
@@ -268,6 +271,7 @@ def _sd_refl_card(out: Path, cfg, progress: dict, repo_id: str | None = None):
     """The model card of a ReFL LoRA on SD 1.x's UNet trained with `cfg` (its validation spec)."""
     from refl_ddpo.model_card import model_card
 
+    cfg = resolve_guidance(cfg, StableDiffusion)  # as the trainer resolves the unset guidance flags on SD
     spec = validation_spec(cfg)
     return model_card(
         out, cfg.to_dict(), spec, "refl", "sd", "UNet2DConditionModel", "unet", progress, repo_id
@@ -305,6 +309,7 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
         GRPOConfig,
         ["--pretrained_model", "org/sd3-model", "--no-use_lora", "--output_dir", str(tmp_path / "g")],
     )
+    full = resolve_guidance(full, StableDiffusion3)  # as the trainer resolves it (no hub here)
     card = model_card(
         tmp_path / "g",
         full.to_dict(),

@@ -12,6 +12,7 @@ __all__ = [
     "cond_expand",
     "family_class",
     "load_family",
+    "resolve_guidance",
     "resolve_lora_targets",
 ]
 
@@ -63,3 +64,25 @@ def resolve_lora_targets(cfg):
 
     targets = list(family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules)
     return dataclasses.replace(cfg, lora_target_modules=targets)
+
+
+def resolve_guidance(cfg, family: type[ModelFamily] | None = None):
+    """The config with every guidance flag left unset (None; a field made by `refl_ddpo.config.guidance_field`)
+    resolved to the model family's default for it (`ModelFamily.default_guidance_scale`): the flag's CFG default on
+    SD 1.x/2.x, SDXL and SD3, the pipeline's embedded guidance (3.5) on FLUX.1. A value the user set is kept. The
+    family is chosen from model_index.json (before any weights load) unless given. A copy; the config stays as it
+    was."""
+    import dataclasses
+
+    unset = {
+        f.name: f.metadata["cfg_default"]
+        for f in dataclasses.fields(cfg)
+        if "cfg_default" in f.metadata and getattr(cfg, f.name) is None
+    }
+    if not unset:
+        return cfg
+    if family is None:
+        from refl_ddpo.models import pipeline_class_name
+
+        family = family_class(pipeline_class_name(cfg.pretrained_model))
+    return dataclasses.replace(cfg, **{n: family.default_guidance_scale(d) for n, d in unset.items()})

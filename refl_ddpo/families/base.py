@@ -56,6 +56,19 @@ class ModelFamily(ABC):
     lora_target_modules: ClassVar[list[str]]  # default LoRA targets (module names inside the network)
     # Samplers the inference scripts offer, name -> diffusers class; the first is the default.
     schedulers: ClassVar[dict[str, str]]
+    # The guidance a guidance-distilled network takes as an input (FLUX.1-dev's embedded guidance), as its pipeline
+    # sets it by default; None for a family that guides with classifier-free guidance (see default_guidance_scale).
+    embedded_guidance_default: ClassVar[float | None] = None
+
+    @classmethod
+    def default_guidance_scale(cls, cfg_default: float) -> float:
+        """The guidance scale of a guidance flag the user left unset (`refl_ddpo.families.resolve_guidance`).
+
+        With classifier-free guidance (SD 1.x/2.x, SDXL, SD3) the scale weighs (text - uncond) and each flag keeps
+        its own `cfg_default`, the trainer's or the script's choice (ReFL's rollout 1 = off, DDPO's sampler 5,
+        inference 7.5 ...). Where the network takes the guidance as an input, 1 or 7.5 mean something else there (a
+        weak or an oversaturated image): every unset flag takes the pipeline's default, `embedded_guidance_default`."""
+        return cfg_default if cls.embedded_guidance_default is None else cls.embedded_guidance_default
 
     def __init__(self, pipe):
         import logging

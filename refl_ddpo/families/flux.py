@@ -13,8 +13,9 @@ transformer's (B, h/2 * w/2, 64) tokens and unpacks its output (pure permutation
 pipeline's), and the loop, the steps, the sample buffers and the forward process see 4-D latents as for SD3.
 
 Guidance. The kit's `guidance_scale` is the pipeline's `guidance_scale`: the embedded guidance that FLUX.1-dev
-(`transformer.config.guidance_embeds`) takes as an input (the pipeline's default is 3.5; pass
-`--guidance_scale 3.5` for it), ignored by schnell (no guidance embedding, as in the pipeline). FLUX.1 is
+(`transformer.config.guidance_embeds`) takes as an input, ignored by schnell (no guidance embedding, as in the
+pipeline). A guidance flag left unset takes the pipeline's default, 3.5 (`embedded_guidance_default`), not the CFG
+default of an SD trainer (7.5, or 1 where CFG is off), which would be a different image here. FLUX.1 is
 guidance-distilled, so true classifier-free guidance is off: `true_cfg_scale` (the pipeline's argument of that name,
 1.0 here) above 1 turns it on against the empty prompt, two network calls per step as the pipeline (where the caller
 passes an uncond: the kit's callers encode one when `guidance_scale` > 1, or take `empty_cond()`).
@@ -52,6 +53,7 @@ class Flux(StableDiffusion3):
     ]
     max_sequence_length = 512  # T5 tokens, the pipeline's default
     true_cfg_scale = 1.0  # the pipeline's true CFG (against the empty prompt) is on above 1; off by default
+    embedded_guidance_default = 3.5  # FluxPipeline.__call__'s guidance_scale default
 
     @property
     def native_resolution(self) -> int:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from refl_ddpo.config import FLUX_GUIDANCE, CommonConfig, field_
+from refl_ddpo.config import CommonConfig, field_, guidance_field
 from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import check_prompt_source, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
@@ -46,8 +46,8 @@ class EpochConfig(CommonConfig):
     sample_num_steps: int = field_(
         50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
     )
-    sample_guidance_scale: float = field_(
-        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)." + FLUX_GUIDANCE
+    sample_guidance_scale: float | None = guidance_field(
+        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)."
     )
     sample_batch_size: int = field_(1, "Images per sampling batch, per GPU.")
     sample_num_batches_per_epoch: int = field_(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from refl_ddpo.config import field_
+from refl_ddpo.config import field_, guidance_field
 from refl_ddpo.errors import UserError
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.groups import GroupConfig
@@ -25,11 +25,10 @@ class ForwardConfig(GroupConfig):
         "clean samples; training noises them again at these steps' timesteps.",
         group="sampling",
     )
-    sample_guidance_scale: float = field_(
+    sample_guidance_scale: float | None = guidance_field(
         1.0,
-        "CFG scale when sampling (1 = CFG-free, as both papers; training never uses CFG). FLUX.1-dev takes it as "
-        "its embedded guidance instead, in sampling and training (the pipeline's default is 3.5; schnell ignores "
-        "it).",
+        "CFG scale when sampling (1 = CFG-free, as both papers; training never uses CFG; FLUX.1-dev's embedded "
+        "guidance conditions sampling and training alike).",
     )
     sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
     sample_num_batches_per_epoch: int = field_(

@@ -1,5 +1,5 @@
 """GRPO's config: DDPO's fields (the same PPO-clip trainer) plus group sampling and the SDE window; Flow-GRPO's SD3.5-M
-recipe and the toy world as presets."""
+and FLUX.1-dev recipes (and its Fast window), DanceGRPO's FLUX.1-dev recipe and the toy world as presets."""
 
 from __future__ import annotations
 
@@ -167,6 +167,114 @@ GRPO_PRESETS["toy_world_sd3"] = {
     "num_epochs": 8,
     "sample_eta": 0.7,
     "lora_target_modules": ["add_k_proj", "add_v_proj"],
+}
+
+# FLUX.1-dev. Batch sizes are per GPU; the sources ran on 16 or 32 GPUs, so the groups per epoch here are theirs
+# divided by the GPUs. Flow-GRPO trains LoRA on the double blocks' attention and feed-forward layers (the single
+# blocks' attn.to_q / to_k / to_v match too, as peft matches the names in their script), not the kit's FLUX default.
+FLOW_GRPO_FLUX_LORA = [
+    "attn.to_k",
+    "attn.to_q",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
+
+# Flow-GRPO on FLUX.1-dev (yifan123/flow_grpo config/grpo.py pickscore_flux, LoRA and optimizer from
+# scripts/train_flux.py and config/base.py): 6 SDE steps at noise level 0.9 with the embedded guidance 3.5 (no CFG;
+# evaluation: 28 deterministic steps at 3.5), 512 px, groups of 24, global std, 99 % of the steps trained, clip
+# 1e-4, no KL (beta 0), lr 3e-4, LoRA r 64 / alpha 128, bf16, 2 optimizer steps per epoch. Their 32 GPUs sample 3 x
+# 12 images each (48 groups); one GPU here samples one group, 3 x 8. Their prompts are encoded with T5 at 128
+# tokens for sampling; the kit encodes at the pipeline's 512. Their reward PickScore is the kit's pickscore.
+GRPO_PRESETS["flow_grpo_flux"] = {
+    "pretrained_model": "black-forest-labs/FLUX.1-dev",
+    "reward": "pickscore",
+    "resolution": 512,
+    "sample_num_steps": 6,
+    "sample_eta": 0.9,
+    "sample_guidance_scale": 3.5,
+    "sample_batch_size": 3,
+    "sample_num_batches_per_epoch": 8,
+    "group_size": 24,
+    "global_std": True,
+    "train_batch_size": 3,
+    "train_gradient_accumulation_steps": 4,
+    "train_timestep_fraction": 0.99,
+    "train_clip_range": 1e-4,
+    "train_adv_clip_max": 5.0,
+    "kl_weight": 0.0,
+    "learning_rate": 3e-4,
+    "adam_weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+    "lora_rank": 64,
+    "lora_alpha": 128,
+    "lora_target_modules": FLOW_GRPO_FLUX_LORA,
+    "mixed_precision": "bf16",
+    "num_epochs": 1000,  # theirs runs until stopped by hand
+    "save_freq": 30,
+    "validation_num_steps": 28,
+    "validation_guidance_scale": 3.5,
+}
+
+# Flow-GRPO-Fast on FLUX.1-dev (config/grpo.py pickscore_flux_fast): the same, but the SDE (noise level 0.8) and the
+# training only in a window of 3 steps, deterministic steps elsewhere; their window starts in sde_window_range
+# (0, num_steps // 2) = (0, 3) and must end inside it (flux_pipeline_with_logprob_fast: start = randint(0, 3 - 3)),
+# so it is always steps 0-2; every window step trained (timestep_fraction 1.0, base.py), clip 1e-5, per-group std.
+# Their window samples with the CPS SDE (sde_type "cps"); the kit has Flow-GRPO's original SDE step only.
+GRPO_PRESETS["flow_grpo_fast_flux"] = {
+    **GRPO_PRESETS["flow_grpo_flux"],
+    "sample_eta": 0.8,
+    "sde_window": 3,
+    "sde_window_start": 0,
+    "train_timestep_fraction": 1.0,
+    "train_clip_range": 1e-5,
+    "global_std": False,
+}
+
+# DanceGRPO on FLUX.1-dev with HPSv2.1 (XueZeyue/DanceGRPO scripts/finetune/finetune_flux_grpo.sh, guidance and
+# sampling from fastvideo/train_grpo_flux.py): 16 SDE steps at 720 px, the embedded guidance 3.5 in sampling and
+# training, groups of 12 sharing one x_T (--init_same_noise), each group's own std (--use_group), 60 % of the steps
+# trained in random order, the last step never (its samples drop the last transition), clip 1e-4, advantages
+# clipped to 5, lr 1e-5, weight decay 1e-4, one sample per micro-batch and 4 per optimizer step, gradient
+# checkpointing, bf16. They fine-tune the whole transformer (FSDP over 16 GPUs, fp32 master weights): so does this
+# preset (--no-use_lora), which needs a sharded multi-GPU launch, not one GPU. Their SDE step is not the kit's: its
+# noise eta sqrt(-dt) (eta 0.3) equals the kit's Flow-GRPO noise level a sqrt(sigma / (1 - sigma)) sqrt(-dt) at
+# sigma 0.5 with a = 0.3; their sigmas are linspace(1, 0, 17) shifted by 3, the kit's the pipeline's
+# resolution-dependent shift. 300 prompts per GPU (max_train_steps), saved every 40.
+GRPO_PRESETS["dance_grpo_flux"] = {
+    "pretrained_model": "black-forest-labs/FLUX.1-dev",
+    "reward": "hpsv2",
+    "resolution": 720,
+    "sample_num_steps": 16,
+    "sample_eta": 0.3,
+    "sample_guidance_scale": 3.5,
+    "sample_batch_size": 4,
+    "sample_num_batches_per_epoch": 3,
+    "group_size": 12,
+    "same_noise_per_group": True,
+    "global_std": False,
+    "train_batch_size": 1,
+    "train_gradient_accumulation_steps": 4,
+    "train_timestep_fraction": 0.6,
+    "train_skip_last_steps": 1,
+    "train_clip_range": 1e-4,
+    "train_adv_clip_max": 5.0,
+    "kl_weight": 0.0,
+    "learning_rate": 1e-5,
+    "adam_weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+    "use_lora": False,
+    "gradient_checkpointing": True,
+    "mixed_precision": "bf16",
+    "num_epochs": 300,
+    "save_freq": 40,
 }
 
 GRPOConfig.ALIASES = DDPO_ALIASES

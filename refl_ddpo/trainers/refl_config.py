@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from refl_ddpo.config import FLUX_GUIDANCE, CommonConfig, field_
+from refl_ddpo.config import CommonConfig, field_, guidance_field
 from refl_ddpo.errors import UserError
 from refl_ddpo.prompts import DATA_DIR
 
@@ -83,10 +83,9 @@ class ReFLConfig(CommonConfig):
         "Sampler of the training rollout: ddpm (ImageReward's ReFL.py) or ddim (deterministic with eta 0).",
     )
     eta: float = field_(0.0, "DDIM eta of the rollout (0 = deterministic); only with --scheduler ddim.")
-    guidance_scale: float = field_(
+    guidance_scale: float | None = guidance_field(
         1.0,
-        "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference."
-        + FLUX_GUIDANCE,
+        "Classifier-free guidance of the training rollout, grad step included; 1 = off, as the reference.",
     )
     max_train_steps: int = field_(100, "Optimizer steps to train for (the total, also when resuming).")
     total_batch_size: int | None = field_(
@@ -198,7 +197,7 @@ class ReFLConfig(CommonConfig):
             check_prompt_source(self.prompt_fn)
         if self.eta < 0 or (self.eta != 0 and self.scheduler != "ddim"):
             raise UserError(f"--eta {self.eta}: eta must be >= 0 and applies to --scheduler ddim only.")
-        if self.guidance_scale < 1:
+        if self.guidance_scale is not None and self.guidance_scale < 1:
             raise UserError(f"--guidance_scale must be >= 1 (1 = no CFG), got {self.guidance_scale}.")
         if not is_differentiable(self.reward):  # also refuses unknown names, with the list of known ones
             names = ", ".join(n for n in available() if REWARDS[n][2])

@@ -157,16 +157,17 @@ class Algorithm(ABC):
 
 
 def shared_checks(cfg: CommonConfig) -> CommonConfig:
-    """The checks every trainer makes before a model is loaded: the base model, the LoRA targets (resolved here: the
-    run records them), the reward's files, the validation prompts, the hub settings. Returns the resolved config."""
-    from refl_ddpo.families import resolve_lora_targets
+    """The checks every trainer makes before a model is loaded: the base model, the LoRA targets and the unset
+    guidance flags (resolved here from the model's family: the run records them), the reward's files, the validation
+    prompts, the hub settings. Returns the resolved config."""
+    from refl_ddpo.families import resolve_guidance, resolve_lora_targets
     from refl_ddpo.hub import check_push
     from refl_ddpo.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.validation import check_validation_prompts
 
     check_pretrained_model(cfg.pretrained_model)
-    cfg = resolve_lora_targets(cfg)
+    cfg = resolve_guidance(resolve_lora_targets(cfg))
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     check_validation_prompts(cfg)
     check_push(cfg)
