@@ -311,3 +311,28 @@ def test_flux_lora_trains_under_fsdp_and_loads_in_the_stock_pipeline(tiny_models
     assert "weights sharded over 2 process(es) (FSDP2): one copy" in r.stdout
     pipe = FluxPipeline.from_pretrained(tiny_models / "tiny-flux")
     assert_lora_changes_stock_images(pipe, out, 32, part="transformer")
+
+
+def test_the_shipped_accelerate_config_is_the_plugin_that_fsdp_builds():
+    """train_scripts/accelerate/fsdp2.yaml names the settings of --fsdp's plugin (refl_ddpo.sharding.fsdp_plugin)."""
+    import yaml
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from refl_ddpo.sharding import fsdp_plugin
+
+    shipped = yaml.safe_load((REPO / "train_scripts" / "accelerate" / "fsdp2.yaml").read_text())
+    assert shipped["distributed_type"] == "FSDP"
+    fsdp = shipped["fsdp_config"]
+    plugin = fsdp_plugin("bf16")
+    assert fsdp["fsdp_version"] == plugin.fsdp_version == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert "transformer_auto_wrap_policy" in repr(plugin.auto_wrap_policy)
+    assert fsdp["fsdp_reshard_after_forward"] is plugin.reshard_after_forward is True
+    assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT" == plugin.state_dict_type.name
+    assert fsdp["fsdp_offload_params"] is False and not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    assert isinstance(fsdp_plugin("no", cpu_offload=True).cpu_offload, CPUOffloadPolicy)
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is plugin.cpu_ram_efficient_loading is False
+    assert fsdp["fsdp_activation_checkpointing"] is plugin.activation_checkpointing is False
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert fsdp_plugin("no").mixed_precision_policy is None
