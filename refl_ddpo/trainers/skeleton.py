@@ -248,9 +248,8 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
     from refl_ddpo.sharding import is_sharded, trainable_params
 
-    if is_sharded(
-        accelerator
-    ):  # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
+    # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
+    if is_sharded(accelerator):
         run.params = trainable_params(run.network)
     return run, repo_id
 
