@@ -165,7 +165,8 @@ class Validator:
 
     def __call__(self, count: int, log_step: int) -> ValidationResult | None:
         """Validate (main process only; None elsewhere) and log at tracker step `log_step`. A sharded network
-        (FSDP) needs every process in each forward: all draw the images, the main process scores and writes."""
+        (FSDP) needs every process in each forward: all draw and score the images, the main process writes and logs
+        them."""
         from refl_ddpo.sharding import is_sharded
 
         if not self.accelerator.is_main_process:
