@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -58,9 +59,18 @@ def check_finite_weights(
 ) -> None:
     """A UserError if a trained tensor holds NaN or inf, so that no checkpoint or final LoRA is ever written (nor a
     run resumed) with one. Every process checks (their weights are identical), so every process stops."""
+    from torch.distributed.tensor import DTensor
+
+    from refl_ddpo.sharding import any_process, local
+
     bad = [
-        name for name, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())
+        name
+        for name, p in model.named_parameters()
+        if p.requires_grad and not bool(torch.isfinite(local(p)).all())
     ]
+    # sharded (FSDP): each process sees its own shards, so they agree on the verdict (every process calls this)
+    if any(isinstance(p, DTensor) for p in model.parameters()) and any_process(bool(bad)) and not bad:
+        bad = ["a shard held by another process"]
     if bad:
         raise UserError(f"{what}: {len(bad)} trained tensor(s) hold NaN or inf (e.g. {bad[0]}); {fix}.")
 
@@ -84,14 +94,19 @@ def save_checkpoint(
     With a `total_limit` (--checkpoints_total_limit) the oldest checkpoints of this run only are then deleted.
     """
     from refl_ddpo.runs import rotate_checkpoints, write_marker
+    from refl_ddpo.sharding import is_sharded
 
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
+    sharded = is_sharded(accelerator)
     try:
-        accelerator.save_state(str(tmp))
+        if sharded:
+            _save_sharded_network(accelerator, tmp)
+        with _without_network(accelerator, sharded):
+            accelerator.save_state(str(tmp))
     except UserError:  # non-finite weights (the save hook): leave no temporary folder behind
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -121,8 +136,14 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
 
     from safetensors.torch import load_file
 
+    from refl_ddpo.sharding import is_sharded
+
+    sharded = is_sharded(accelerator)
     try:
-        accelerator.load_state(str(path))
+        with _without_network(accelerator, sharded):
+            accelerator.load_state(str(path))
+        if sharded:
+            _load_sharded_network(accelerator, path)
         counters = json.loads((path / TRAIN_STATE_JSON).read_text())
         tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
     except (OSError, EOFError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
@@ -132,3 +153,71 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
             "checkpoint-N."
         ) from None
     return counters, tensors
+
+
+# ---- under FSDP (--fsdp): the network and its optimizer gathered, written and read back by us ----
+
+
+@contextmanager
+def _without_network(accelerator, hide: bool):
+    """accelerate's save_state / load_state without the prepared network and optimizer (`hide`): under FSDP they
+    would be written as a pickled state dict; `_save_sharded_network` writes them gathered as safetensors instead,
+    and accelerate keeps the rest (lr scheduler, random states, the grad scaler)."""
+    if not hide:
+        yield
+        return
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models, accelerator._optimizers = [], []
+    try:
+        yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def _sharded_parts(accelerator):
+    if len(accelerator._models) != 1 or len(accelerator._optimizers) != 1:
+        raise RuntimeError(
+            f"--fsdp checkpoints hold one network and its optimizer; accelerate prepared "
+            f"{len(accelerator._models)} model(s) and {len(accelerator._optimizers)} optimizer(s)"
+        )
+    return accelerator._models[0], accelerator._optimizers[0]
+
+
+def _save_sharded_network(accelerator, folder: Path) -> None:
+    """The trained weights gathered from their shards (LoRA in diffusers format, or the full network's folder) and
+    the optimizer's state (safetensors + JSON) in `folder`; every process takes part, the main one writes."""
+    from refl_ddpo.sharding import gathered_state, save_optimizer
+
+    network, optimizer = _sharded_parts(accelerator)
+    check_finite_weights(network, f"not saving {folder.name.lstrip('.').removesuffix('.tmp')}")
+    state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_lora(network, folder, state=state)
+    save_optimizer(network, optimizer, folder, accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+
+
+def _load_sharded_network(accelerator, folder: Path) -> None:
+    """_save_sharded_network's files back into every process' shards."""
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME, convert_unet_state_dict_to_peft
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME, _lora_format
+    from refl_ddpo.sharding import load_full_state, load_optimizer, peft_keys_to_model
+
+    network, optimizer = _sharded_parts(accelerator)
+    if getattr(network, "peft_config", None):
+        prefix = _lora_format(network)[1]
+        saved = load_file(str(folder / LORA_WEIGHTS_NAME))
+        saved = convert_unet_state_dict_to_peft({k.removeprefix(f"{prefix}."): v for k, v in saved.items()})
+        state = peft_keys_to_model(saved)
+    else:
+        state = load_file(str(folder / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME))
+    load_full_state(network, state)
+    check_finite_weights(
+        network,
+        f"not resuming from {folder}",
+        "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
+    )
+    load_optimizer(network, optimizer, folder)

@@ -235,6 +235,16 @@ class CommonConfig(ConfigBase):
         "(Kaiming A, zero B), or 'random' (A and B random: the output changes at once; for tests).",
     )
     gradient_checkpointing: bool = field_(False, "Recompute network activations in backward to save memory.")
+    fsdp: bool = field_(
+        False,
+        "Shard the trained network per block over the processes with FSDP2 (accelerate's FSDP plugin): fp32 master "
+        "weights, --mixed_precision compute, gradients reduced in fp32; text encoders, VAE and rewards stay whole. "
+        "Checkpoints and final weights are written gathered, as without it. See docs/multi_gpu.md.",
+    )
+    fsdp_cpu_offload: bool = field_(
+        False,
+        "With --fsdp: keep the shards and their optimizer state on the CPU between uses (slower, less GPU).",
+    )
     checkpointing_steps: int = field_(
         0,
         "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
@@ -325,6 +335,8 @@ class CommonConfig(ConfigBase):
         check_train_device(self.device)
         self.check_positive("num_validation_images", "validation_num_steps", "validation_batch_size")
         check_trackers(self.report_to)
+        if self.fsdp_cpu_offload and not self.fsdp:
+            raise UserError("--fsdp_cpu_offload offloads FSDP's shards: add --fsdp (or drop it).")
         if self.hub_model_id is not None and not self.push_to_hub:
             raise UserError("--hub_model_id names the repo of --push_to_hub: add --push_to_hub (or drop it).")
 

@@ -45,7 +45,6 @@ def plan_images(prompts: list[tuple[str, dict]], num_images_per_prompt: int, see
     ]
 
 
-@torch.inference_mode()
 def generate_batch(
     family,
     prompts: list[str],
@@ -60,8 +59,19 @@ def generate_batch(
     `scheduler`: the sampler to run (default: `family.pipe.scheduler`); its timesteps are set here.
 
     Runs in inference mode: no autograd graph is kept (the pipeline's memory for one no-grad forward), even if
-    LoRA parameters require grad.
+    LoRA parameters require grad. A network sharded with FSDP2 (--fsdp) runs under no_grad instead: the whole
+    weights it gathers for a forward must not become inference tensors, which training could not reuse.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    mode = torch.no_grad() if isinstance(family.network, FSDPModule) else torch.inference_mode()
+    with mode:
+        return _generate_batch(
+            family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler
+        )
+
+
+def _generate_batch(family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler):
     from refl_ddpo.sampling import denoise
 
     # CPU generators: the same seed gives the same noise on any device (diffusers' randn_tensor draws on the CPU

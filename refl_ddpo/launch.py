@@ -4,7 +4,8 @@
    a session of its own and stops them only when it can clean up; after a kill -9 of the launcher they ran on as
    orphans, still writing --output_dir. A worker started from here asks the kernel for SIGKILL when its parent dies
    (`die_with_launcher`: Linux's prctl(PR_SET_PDEATHSIG)); elsewhere this is not available and nothing changes.
-2. A user error on any process reaches the user as its one line. The worker writes it to a file in the launcher's
+2. A user error on any process, or a rendezvous that fails (machine 0 unreachable, the port taken, a machine that
+   never came within the timeout), reaches the user as its one line. The worker writes it to a file in the launcher's
    REFL_DDPO_ERROR_DIR instead of printing it (`report_user_error`), and the launcher prints the line of the first
    process that failed in place of torch's ChildFailedError report and the agent's log lines about stopping the
    others. Any other failure keeps the report and the log lines.
@@ -98,9 +99,22 @@ def _reported(folder: str, rank: int) -> dict | None:
     return report if isinstance(report, dict) and "message" in report else None
 
 
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
 def main(argv: list[str] | None = None) -> None:
     import tempfile
 
+    # torch's C++ log lines (a rendezvous retry prints one with 40 stack frames) are for the workers, not the
+    # launcher: it is quiet below FATAL (read once, when torch loads), the workers get the user's setting back
+    user_level = os.environ.get(CPP_LOG_ENV)
+    os.environ[CPP_LOG_ENV] = "FATAL"
+    import torch  # noqa: F401  (loads c10 with the launcher's level)
+
+    if user_level is None:
+        del os.environ[CPP_LOG_ENV]
+    else:
+        os.environ[CPP_LOG_ENV] = user_level
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -119,7 +133,32 @@ def main(argv: list[str] | None = None) -> None:
                 raise
             print(f"error: {report['message']}", file=sys.stderr, flush=True)
             sys.exit(int(report.get("exit_code", 2)))
+        except Exception as e:  # the agent's own failure: the rendezvous with the other machines
+            held.finish(replay=not _is_rendezvous_error(e))
+            if not _is_rendezvous_error(e):
+                raise
+            print(f"error: {rendezvous_message(e, args)}", file=sys.stderr, flush=True)
+            sys.exit(2)
         held.finish(replay=True)
+
+
+def _is_rendezvous_error(e: BaseException) -> bool:
+    """Whether the elastic agent failed to meet the other machines (not a worker's failure)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    return isinstance(e, (DistError, RendezvousError, TimeoutError, ConnectionError))
+
+
+def rendezvous_message(e: BaseException, args) -> str:
+    """The one line for a failed rendezvous: where, torch's reason (its first 300 characters), what to check."""
+    where = f"{args.main_process_ip or '127.0.0.1'}:{args.main_process_port}"
+    reason = " ".join(str(e).split())[:300] or type(e).__name__
+    return (
+        f"the rendezvous at {where} failed ({type(e).__name__}: {reason}); check that MAIN_PROCESS_IP is machine "
+        "0's address as seen from this machine, that MAIN_PROCESS_PORT is free there and open between the "
+        "machines, and that every machine starts within RENDEZVOUS_TIMEOUT seconds."
+    )
 
 
 if __name__ == "__main__":

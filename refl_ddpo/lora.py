@@ -38,7 +38,10 @@ _LORA_FORMATS = {
 
 
 def _lora_format(network) -> tuple[str, str, bool]:
-    name = type(network).__name__
+    # under FSDP2 the network's class is a subclass made by fully_shard (FSDPSD3Transformer2DModel): its base counts
+    name = next(
+        (c.__name__ for c in type(network).__mro__ if c.__name__ in _LORA_FORMATS), type(network).__name__
+    )
     if name not in _LORA_FORMATS:
         raise UserError(f"no LoRA file format known for a {name}; known: {', '.join(_LORA_FORMATS)}.")
     return _LORA_FORMATS[name]
@@ -78,12 +81,13 @@ def trainable_full_unet(unet) -> list[torch.nn.Parameter]:
     return list(unet.parameters())
 
 
-def lora_state_dict(unet) -> dict[str, torch.Tensor]:
-    """The adapter's tensors with the key names this network's `save_lora_weights` expects (see _LORA_FORMATS)."""
+def lora_state_dict(unet, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors with the key names this network's `save_lora_weights` expects (see _LORA_FORMATS);
+    `state`: the network's tensors to take them from (gathered from FSDP shards) instead of its own."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(unet)
+    state = get_peft_model_state_dict(unet, state_dict=state)
     return convert_state_dict_to_diffusers(state) if _lora_format(unet)[2] else state
 
 
@@ -92,15 +96,20 @@ def _adapter_metadata(unet) -> dict:
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
 
-def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
-    """Write the LoRA (or, without adapters, the full UNet) and the resolved config to `out_dir`."""
+def save_lora(
+    unet, out_dir: str | Path, config: dict | None = None, state: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write the LoRA (or, without adapters, the full UNet) and the resolved config to `out_dir`; `state`: the
+    network's whole tensors gathered from its FSDP shards (refl_ddpo.sharding.gathered_state), written in its place
+    in the same format."""
     import diffusers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if getattr(unet, "peft_config", None):
         state = {
-            k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict(unet).items()
+            k: v.detach().to("cpu", torch.float32).contiguous()
+            for k, v in lora_state_dict(unet, state).items()
         }
         pipeline_class, prefix, _ = _lora_format(unet)
         getattr(diffusers, pipeline_class).save_lora_weights(
@@ -108,6 +117,20 @@ def save_lora(unet, out_dir: str | Path, config: dict | None = None) -> Path:
             safe_serialization=True,
             **{f"{prefix}_lora_layers": state, f"{prefix}_lora_adapter_metadata": _adapter_metadata(unet)},
         )
+    elif state is not None:  # a sharded network's gathered tensors: the folder save_pretrained would write
+        from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+        from safetensors.torch import save_file
+
+        (out_dir / FULL_UNET_DIR).mkdir(exist_ok=True)
+        unet.save_config(out_dir / FULL_UNET_DIR)
+        conf = out_dir / FULL_UNET_DIR / "config.json"  # the class fully_shard derived is no diffusers class
+        saved = json.loads(conf.read_text())
+        saved["_class_name"] = next(
+            c.__name__ for c in type(unet).__mro__ if not c.__name__.startswith("FSDP")
+        )
+        conf.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        save_file(tensors, str(out_dir / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     else:
         unet.save_pretrained(out_dir / FULL_UNET_DIR, safe_serialization=True)
     if config is not None:

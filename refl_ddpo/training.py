@@ -71,15 +71,24 @@ def weights_digest(params: list[torch.nn.Parameter]) -> str:
     """SHA-256 over the bytes of the trainable tensors, in order (equal digests = bit-identical weights)."""
     import hashlib
 
+    from refl_ddpo.sharding import full
+
     h = hashlib.sha256()
-    for p in params:
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    for p in params:  # sharded (FSDP): the whole tensor, gathered (every process calls this)
+        h.update(full(p.detach()).to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
 def check_identical_weights(accelerator, params: list[torch.nn.Parameter]) -> None:
-    """Ranks must hold the same weights (DDP averages the gradients): compare digests, a cheap exact check."""
+    """Ranks must hold the same weights (DDP averages the gradients): compare digests, a cheap exact check. Sharded
+    (FSDP) there is one copy of each tensor, split over the processes: nothing to compare."""
     from accelerate.utils import gather_object
+
+    from refl_ddpo.sharding import is_sharded
+
+    if is_sharded(accelerator):
+        accelerator.print(f"weights sharded over {accelerator.num_processes} process(es) (FSDP2): one copy")
+        return
 
     digests = gather_object([weights_digest(params)])
     if len(set(digests)) != 1:
@@ -99,10 +108,13 @@ def make_accelerator(
     logging_dir: str,
     device: str | None = None,
     allow_tf32: bool = False,
+    fsdp: bool = False,
+    fsdp_cpu_offload: bool = False,
 ):
     """The run's Accelerator: `mixed_precision` ("no", "fp16", "bf16"), the trackers of `report_to` (a --report_to
     choice) logging under output_dir/logging_dir, on `device` ("cpu", "cuda"; None: accelerate's choice), TF32
-    matmuls on CUDA if `allow_tf32`."""
+    matmuls on CUDA if `allow_tf32`; `fsdp`: the network that `prepare` gets is sharded with FSDP2
+    (refl_ddpo.sharding), its shards on the CPU between uses with `fsdp_cpu_offload`."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -112,8 +124,16 @@ def make_accelerator(
 
     set_cpu_threads()  # unless OMP_NUM_THREADS says otherwise (refl_ddpo.threads)
     log_with = TRACKERS[report_to] or None
+    plugin = None
+    if fsdp:
+        from refl_ddpo.sharding import fsdp_plugin
+
+        plugin = fsdp_plugin(mixed_precision, fsdp_cpu_offload)
     # accelerate keeps its settings per process: a run started in a process that made an Accelerator before (a second
     # run in a notebook, the test suite) must not inherit that one's mixed precision (the processes' group is kept)
+    from refl_ddpo.sharding import release_fsdp_state
+
+    release_fsdp_state()  # an earlier --fsdp run in this process
     AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
@@ -123,7 +143,18 @@ def make_accelerator(
             project_dir=output_dir, logging_dir=os.path.join(output_dir, logging_dir)
         ),
         cpu=device == "cpu",
+        fsdp_plugin=plugin,
     )
+    if plugin is not None:
+        from refl_ddpo.sharding import hold_fsdp_state
+
+        if accelerator.num_processes < 2:
+            raise UserError(
+                "--fsdp shards the network over several processes but this run has 1: launch 2 or more "
+                "(NUM_PROCESSES=2 in train_scripts/, or GPUS=0,1), or drop --fsdp."
+            )
+
+        hold_fsdp_state(accelerator, plugin)
     if device is not None and accelerator.device.type != device:  # honoured, or said so
         raise UserError(
             f"--device {device}: accelerate placed this process on {accelerator.device} (your accelerate "
@@ -297,15 +328,20 @@ def save_final(
     (refl_ddpo.model_card) at the top of `output_dir`; then, with a `repo_id` (--push_to_hub), the upload there
     (main process). A local base model is recorded by its absolute path, so that inference_lora.py finds it from any
     working directory."""
+    from refl_ddpo.sharding import gathered_state, is_sharded
+
     accelerator.wait_for_everyone()
     check_finite_weights(accelerator.unwrap_model(network), f"not saving the final weights to {output_dir}")
+    state = None
+    if is_sharded(accelerator):  # gathered from the shards by every process, written once by the main one
+        state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
     if accelerator.is_main_process:
         from refl_ddpo.model_card import CARD_NAME, model_card
 
         saved = dict(config)
         if os.path.exists(config["pretrained_model"]):
             saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
-        save_lora(accelerator.unwrap_model(network), output_dir, config=saved)
+        save_lora(accelerator.unwrap_model(network), output_dir, config=saved, state=state)
         card = model_card(
             output_dir,
             config,

@@ -164,8 +164,15 @@ class Validator:
         return count == 0 or count == self.last or bool(self.every and count % self.every == 0)
 
     def __call__(self, count: int, log_step: int) -> ValidationResult | None:
-        """Validate (main process only; None elsewhere) and log at tracker step `log_step`."""
+        """Validate (main process only; None elsewhere) and log at tracker step `log_step`. A sharded network
+        (FSDP) needs every process in each forward: all draw and score the images, the main process writes and logs
+        them."""
+        from refl_ddpo.sharding import is_sharded
+
         if not self.accelerator.is_main_process:
+            if is_sharded(self.accelerator):
+                with torch.no_grad():
+                    self.draw_and_score()
             return None
         from tqdm.auto import tqdm
 

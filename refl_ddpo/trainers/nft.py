@@ -104,6 +104,15 @@ class ForwardProcess(EpochAlgorithm):
     def accumulation_steps(self) -> int:
         return self.cfg.train_gradient_accumulation_steps * num_train_timesteps(self.cfg)
 
+    def check(self) -> None:
+        if self.cfg.fsdp:
+            from refl_ddpo.errors import UserError
+
+            raise UserError(
+                "--fsdp: DiffusionNFT and AWM keep a copy of the trained weights (the old policy) that is not "
+                "sharded; train them without --fsdp (each process holds the network), or use GRPO / ReFL."
+            )
+
     def check_processes(self, num_processes: int) -> None:
         check_group_arithmetic(self.cfg, num_processes)
 

@@ -228,6 +228,10 @@ class ReFLConfig(CommonConfig):
             raise UserError(
                 "--use_ema averages the full UNet weights: use it with --no-use_lora (or drop it)."
             )
+        if self.use_ema and self.fsdp:
+            raise UserError(
+                "--use_ema keeps a whole copy of the network beside its FSDP shards: drop --use_ema or --fsdp."
+            )
         if not 0 < self.ema_decay <= 1:
             raise UserError(f"--ema_decay must be in (0, 1] (got {self.ema_decay}).")
         if self.kl_weight < 0 or self.pretrain_loss_weight < 0:

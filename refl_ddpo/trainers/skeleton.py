@@ -220,6 +220,8 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         logging_dir=cfg.logging_dir,
         device=cfg.device,
         allow_tf32=cfg.allow_tf32,
+        fsdp=cfg.fsdp,
+        fsdp_cpu_offload=cfg.fsdp_cpu_offload,
     )
     algo.check_processes(accelerator.num_processes)
     repo_id = None
@@ -245,6 +247,11 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     )
     algo.setup_optimizer(run)
     run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
+    from refl_ddpo.sharding import is_sharded, trainable_params
+
+    # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
+    if is_sharded(accelerator):
+        run.params = trainable_params(run.network)
     return run, repo_id
 
 

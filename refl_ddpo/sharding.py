@@ -1,0 +1,204 @@
+"""FSDP2 through accelerate (--fsdp): the trained network sharded per block over the processes.
+
+accelerate's `FullyShardedDataParallelPlugin(fsdp_version=2)` wraps every block the network names in its
+`_no_split_modules` (SD3's JointTransformerBlock, FLUX.1's two block kinds, the UNet's attention and resnet blocks)
+and the root in torch's `fully_shard`. The trained weights are the fp32 master copy; with --mixed_precision bf16|fp16
+the blocks compute in that dtype and reduce gradients in fp32 (`MixedPrecisionPolicy`). The frozen parts (text
+encoders, VAE, rewards) stay whole on every process.
+
+accelerate makes the FSDP state only on GPUs; on the CPU (the tests, over gloo) `hold_fsdp_state` sets the same
+state after the fact, so that the loops, `prepare`, the gradient clipping and the accumulation run accelerate's FSDP2
+code either way.
+
+Checkpoints and the final weights are gathered (`torch.distributed.checkpoint.state_dict` with full_state_dict):
+every process takes part, the main process writes the LoRA (diffusers format) or the full network (diffusers folder)
+and the optimizer state as safetensors, and every process loads them back into its shards, so a resume is bit-exact
+and the files are those of a run without FSDP (plus the optimizer's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+OPTIMIZER_FILE = "optimizer_fsdp.safetensors"  # the gathered optimizer state (tensors)
+OPTIMIZER_GROUPS = "optimizer_fsdp.json"  # its param_groups and the names of the parameters in order
+
+
+def fsdp_plugin(mixed_precision: str, cpu_offload: bool = False):
+    """accelerate's FSDP2 plugin: per-block sharding (the network's `_no_split_modules`), resharded after forward;
+    `mixed_precision` ("no", "fp16", "bf16"): compute in it, gradients reduced in fp32; `cpu_offload`: the shards
+    and their optimizer state live on the CPU between uses."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else None
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        cpu_offload=cpu_offload,
+        mixed_precision_policy=policy,
+        state_dict_type="FULL_STATE_DICT",
+        cpu_ram_efficient_loading=False,  # every process has loaded the model: nothing to broadcast
+        activation_checkpointing=False,  # --gradient_checkpointing: the network's own, which composes with FSDP2
+    )
+
+
+def hold_fsdp_state(accelerator, plugin) -> None:
+    """Make accelerate's FSDP state hold for the whole run, on the CPU too.
+
+    accelerate sets `distributed_type = FSDP` in its AcceleratorState, only for GPU processes, and every later
+    `AcceleratorState()` (each AcceleratedOptimizer makes one) copies the process state's `distributed_type` back over
+    it. Set FSDP in both, so that `prepare` shards with fully_shard and save_state, clip_grad_norm_ and the
+    accumulation take accelerate's FSDP2 paths on GPUs and on the CPU (gloo) alike."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    _before.setdefault("distributed_type", PartialState._shared_state["distributed_type"])
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+_before: dict = {}  # the process state's distributed_type before hold_fsdp_state
+
+
+def release_fsdp_state() -> None:
+    """Undo hold_fsdp_state's change to the process state (a later run in this process may not shard)."""
+    from accelerate.state import PartialState
+
+    if "distributed_type" in _before and PartialState._shared_state:
+        PartialState._shared_state["distributed_type"] = _before.pop("distributed_type")
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether the trained network is sharded with FSDP (then every process must run each of its forwards)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def trainable_params(network) -> list[torch.nn.Parameter]:
+    """The trained tensors of `network` in named_parameters order (after sharding: the DTensor parameters)."""
+    return [p for p in network.parameters() if p.requires_grad]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The process' own shard of a DTensor, or `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every process calls it), or `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process if `flag` is True on any (a collective when torch.distributed runs)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# ---- gathered state: the final weights and checkpoint-N ----
+
+
+def gathered_state(network, trainable_only: bool = True) -> dict[str, torch.Tensor]:
+    """The network's whole tensors on the CPU, on the main process (empty elsewhere); every process must call it.
+    `trainable_only`: only the tensors that train (the LoRA), else every one (a full fine-tune's network)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(network, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainable_only:
+        names = {n for n, p in network.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in names}
+    return state
+
+
+def load_full_state(network, state: dict[str, torch.Tensor]) -> None:
+    """Put whole tensors `state` (named as the network's state_dict) into the network's shards, strictly for the
+    names given (the others stay)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    known = set(network.state_dict().keys())
+    unknown = sorted(set(state) - known)
+    if unknown:
+        raise KeyError(f"{len(unknown)} tensor(s) the network does not have, e.g. {unknown[0]}")
+    missing = sorted({n for n, p in network.named_parameters() if p.requires_grad} - set(state))
+    if missing:
+        raise KeyError(f"{len(missing)} trained tensor(s) missing, e.g. {missing[0]}")
+    set_model_state_dict(network, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+_ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.(weight|bias)$")
+
+
+def peft_keys_to_model(state: dict[str, torch.Tensor], adapter: str = "default") -> dict[str, torch.Tensor]:
+    """peft's saved LoRA names (`x.lora_A.weight`) as the module's parameter names (`x.lora_A.default.weight`)."""
+    return {_ADAPTER_KEY.sub(rf".\1.{adapter}.\2", k): v for k, v in state.items()}
+
+
+def save_optimizer(network, optimizer, folder: Path, main: bool) -> None:
+    """The optimizer's gathered state as safetensors (tensors) + JSON (param_groups, scalars); every process calls
+    it, the main one writes."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(
+        network, _inner(optimizer), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if not main:
+        return
+    tensors, scalars = {}, {}
+    for name, entry in state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{name}/{key}"] = value
+    save_file(tensors, str(folder / OPTIMIZER_FILE))
+    (folder / OPTIMIZER_GROUPS).write_text(
+        json.dumps({"param_groups": state["param_groups"], "scalars": scalars}, indent=1) + "\n"
+    )
+
+
+def load_optimizer(network, optimizer, folder: Path) -> None:
+    """Restore save_optimizer's files into the (sharded) optimizer; every process reads them."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    tensors = load_file(str(folder / OPTIMIZER_FILE))
+    saved = json.loads((folder / OPTIMIZER_GROUPS).read_text())
+    state: dict[str, dict] = {}
+    for key, value in [*tensors.items(), *saved["scalars"].items()]:
+        name, field = key.rsplit("/", 1)
+        state.setdefault(name, {})[field] = value
+    set_optimizer_state_dict(
+        network,
+        _inner(optimizer),
+        {"state": state, "param_groups": saved["param_groups"]},
+        options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def _inner(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer

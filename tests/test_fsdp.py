@@ -1,0 +1,338 @@
+"""Beyond one GPU: FSDP2 through accelerate (--fsdp) and several machines (NUM_MACHINES ...), on CPU processes over gloo.
+
+Sharding changes where the weights live, not the arithmetic: two processes with --fsdp train the weights of the same
+two processes without it (DDP: each holds the whole network, the gradients all-reduced) to 1e-5 (ReFL and GRPO on
+tiny SD3, and ReFL on tiny FLUX.1; LoRA and full fine-tune); a run killed with -9 and resumed under FSDP equals the
+uninterrupted one; two launchers on one machine as machines 0 and 1 train one run; the final weights are the
+diffusers files a stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise,
+seeded by its rank, so one process with twice the batch sees other samples.)"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, assert_lora_changes_stock_images, run_script, script_env, trainer_flags
+from safetensors.torch import load_file
+
+from refl_ddpo.lora import FULL_UNET_DIR, LORA_WEIGHTS_NAME
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
+
+TOL = 1e-5
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def _grpo_flags(tiny_models, out: Path, *extra: str) -> list[str]:
+    """Tiny SD3, 2 processes x 2 samples in groups of 2, an SDE window of 2, beta; 2 epochs, a checkpoint after
+    each."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        "--global_std",
+        *extra,
+        model="tiny-sd3",
+        sample_num_steps=4,
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        group_size=2,
+        sde_window=2,
+        beta="0.04",
+        learning_rate="3e-2",
+        num_epochs=2,
+        save_freq=1,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+def _refl_flags(tiny_models, out: Path, *extra: str, model: str = "tiny-sd3") -> list[str]:
+    """ReFL, 3 steps of 2 micro-batches of 2 per process, checkpoint-2."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=model,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate="3e-2",
+        max_train_steps=3,
+        checkpointing_steps=2,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+def _run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _assert_close(a: dict, b: dict, tol: float = TOL) -> float:
+    assert a.keys() == b.keys() and a
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+def _lora(folder: Path) -> dict:
+    return load_file(folder / LORA_WEIGHTS_NAME)
+
+
+_runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory):
+    """Each named two-process run once per module: (output folder, completed process)."""
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if name not in _runs:
+            out = tmp_path_factory.mktemp(name) / "run"
+            script, flags = {
+                "grpo-ddp": ("train_grpo.sh", _grpo_flags(tiny_models, out)),
+                "grpo-fsdp": ("train_grpo.sh", _grpo_flags(tiny_models, out, "--fsdp")),
+                "refl-ddp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *VALIDATION)),
+                "refl-fsdp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", *VALIDATION)),
+                "full-ddp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *FULL)),
+                "full-fsdp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", *FULL)),
+            }[name]
+            _runs[name] = out, _run(script, flags)
+        return _runs[name]
+
+    yield run
+    _runs.clear()
+
+
+# validation: every process draws (a sharded network needs all of them in each forward), the main one writes
+VALIDATION = (
+    "--gradient_checkpointing",
+    *("--validation_prompts_file", "toy_world_heldout", "--validation_steps", "2"),
+    *("--num_validation_images", "1", "--validation_num_steps", "2"),
+)
+FULL = ("--no-use_lora", "--learning_rate", "1e-3")
+
+
+def test_grpo_lora_under_fsdp_equals_the_unsharded_run(runs):
+    (ddp, _), (fsdp, r) = runs("grpo-ddp"), runs("grpo-fsdp")
+    assert "weights sharded over 2 process(es) (FSDP2): one copy" in r.stdout
+    _assert_close(_lora(fsdp), _lora(ddp))
+    _assert_close(_lora(fsdp / "checkpoint-1"), _lora(ddp / "checkpoint-1"))
+    assert any(not torch.equal(v, _lora(fsdp / "checkpoint-1")[k]) for k, v in _lora(fsdp).items())
+    # the optimizer state is kept gathered, as safetensors, not pickled
+    assert (fsdp / "checkpoint-1" / "optimizer_fsdp.safetensors").is_file()
+    assert not list((fsdp / "checkpoint-1").glob("*.bin"))
+
+
+def test_refl_lora_under_fsdp_with_validation_and_checkpointing_equals_the_unsharded_run(runs, tiny_models):
+    (ddp, rd), (fsdp, rf) = runs("refl-ddp"), runs("refl-fsdp")
+    _assert_close(_lora(fsdp), _lora(ddp))
+    _assert_close(_lora(fsdp / "checkpoint-2"), _lora(ddp / "checkpoint-2"))
+    assert rf.stdout.count("validation after step") == rd.stdout.count("validation after step") == 3
+    for name in ("step-0.json", "step-2.json", "step-3.json"):
+        a = json.loads((ddp / "validation" / name).read_text())
+        b = json.loads((fsdp / "validation" / name).read_text())
+        assert a.keys() == b.keys()
+        for key in a:
+            if "mean" in key and isinstance(a[key], float):
+                assert abs(a[key] - b[key]) <= TOL, (name, key)
+
+
+def test_fsdp_lora_loads_in_the_stock_pipeline(runs, tiny_models):
+    from diffusers import StableDiffusion3Pipeline
+
+    fsdp, _ = runs("refl-fsdp")
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_models / "tiny-sd3")
+    assert_lora_changes_stock_images(pipe, fsdp, 32, part="transformer")
+
+
+def test_full_finetune_under_fsdp_equals_the_unsharded_run_and_loads(runs, tiny_models):
+    from diffusers import SD3Transformer2DModel
+
+    (ddp, _), (fsdp, _) = runs("full-ddp"), runs("full-fsdp")
+    # not bit-equal: FSDP's reduce-scatter sums in another order than DDP's all-reduce (about 1e-7 measured)
+    _assert_close(load_file(fsdp / FULL_UNET_DIR / WEIGHTS), load_file(ddp / FULL_UNET_DIR / WEIGHTS))
+    assert (
+        json.loads((fsdp / FULL_UNET_DIR / "config.json").read_text())["_class_name"]
+        == "SD3Transformer2DModel"
+    )
+    loaded = SD3Transformer2DModel.from_pretrained(fsdp / FULL_UNET_DIR)
+    base = SD3Transformer2DModel.from_pretrained(tiny_models / "tiny-sd3" / "transformer")
+    saved = load_file(fsdp / FULL_UNET_DIR / WEIGHTS)
+    assert all(torch.equal(p, saved[n]) for n, p in loaded.state_dict().items())
+    assert any(not torch.equal(p, base.state_dict()[n]) for n, p in loaded.state_dict().items())
+    _assert_close(
+        load_file(fsdp / "checkpoint-2" / FULL_UNET_DIR / WEIGHTS),
+        load_file(ddp / "checkpoint-2" / FULL_UNET_DIR / WEIGHTS),
+    )
+
+
+def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(runs, tiny_models, tmp_path):
+    """GRPO under FSDP, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
+    equals the uninterrupted FSDP run's bit for bit, and the counters too."""
+    reference, _ = runs("grpo-fsdp")
+    out = tmp_path / "killed"
+    flags = _grpo_flags(tiny_models, out, "--fsdp")
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
+        cwd=REPO,
+        env=script_env(NUM_PROCESSES="2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 180
+    while not (out / "checkpoint-1").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    r = _run("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
+    resumed, uninterrupted = _lora(out), _lora(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert json.loads((out / "checkpoint-2" / "train_state.json").read_text()) == json.loads(
+        (reference / "checkpoint-2" / "train_state.json").read_text()
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_on_one_host_train_one_run(runs, tiny_models, tmp_path):
+    """Two launchers, machines 0 and 1 over 127.0.0.1, one process each, --fsdp across them: one result, the same
+    weights as the two processes of one machine."""
+    reference, _ = runs("grpo-ddp")
+    out = tmp_path / "two-machines"
+    flags = _grpo_flags(tiny_models, out, "--fsdp")
+    common = {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(_free_port())}
+    procs = [
+        subprocess.Popen(
+            ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
+            cwd=REPO,
+            env=script_env(NUM_PROCESSES="2", MACHINE_RANK=str(rank), RENDEZVOUS_TIMEOUT="120", **common),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    assert "this is machine 1 with 1" in results[1][1]
+    assert "saved final weights" in results[0][0] and "saved final weights" not in results[1][0]
+    assert json.loads((out / "checkpoint-2" / "checkpoint.json").read_text())["num_processes"] == 2
+    _assert_close(_lora(out), _lora(reference))
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"NUM_MACHINES": "2", "MACHINE_RANK": "0", "MAIN_PROCESS_PORT": "29500"}, "needs MAIN_PROCESS_IP"),
+        ({"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1"}, "needs MAIN_PROCESS_PORT"),
+        ({"NUM_MACHINES": "2", "MACHINE_RANK": "2"}, "MACHINE_RANK='2' must be 0 .. 1"),
+        ({"NUM_MACHINES": "2", "NUM_PROCESSES": "3"}, "does not split over NUM_MACHINES=2"),
+        ({"NUM_MACHINES": "x"}, "NUM_MACHINES='x' must be a positive integer"),
+        ({"MAIN_PROCESS_PORT": "70000", "NUM_PROCESSES": "2"}, "must be a port number"),
+        ({"RENDEZVOUS_TIMEOUT": "0", "NUM_PROCESSES": "2"}, "RENDEZVOUS_TIMEOUT='0'"),
+        (
+            {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "no-such-host.invalid", "MAIN_PROCESS_PORT": "29500"},
+            "does not resolve",
+        ),
+    ],
+)
+def test_machine_settings_are_checked_in_one_line_before_anything_starts(env, says, tmp_path):
+    r = run_script("train_grpo.sh", ["--output_dir", str(tmp_path / "x")], script_env(**env), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip().splitlines()[-1]] and says in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_machine_that_never_meets_machine_0_is_one_line(tiny_models, tmp_path):
+    """Machine 1 alone: the rendezvous times out (RENDEZVOUS_TIMEOUT) and says so in one line, exit 2."""
+    env = {"NUM_MACHINES": "2", "MACHINE_RANK": "1", "MAIN_PROCESS_IP": "127.0.0.1"}
+    env |= {"MAIN_PROCESS_PORT": str(_free_port()), "RENDEZVOUS_TIMEOUT": "2"}
+    r = run_script("train_grpo.sh", _grpo_flags(tiny_models, tmp_path / "x"), script_env(**env), timeout=120)
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("launching ")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: the rendezvous at 127.0.0.1:") and "MAIN_PROCESS_IP" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "script, extra, says",
+    [
+        ("train_grpo.sh", ["--fsdp"], "--fsdp shards the network over several processes but this run has 1"),
+        ("train_grpo.sh", ["--fsdp_cpu_offload"], "add --fsdp"),
+        ("train_refl_lora.sh", ["--fsdp", "--no-use_lora", "--use_ema"], "drop --use_ema or --fsdp"),
+        ("train_nft.sh", ["--fsdp"], "DiffusionNFT and AWM keep a copy"),
+    ],
+)
+def test_fsdp_settings_that_cannot_work_are_one_line_before_loading(
+    script, extra, says, tiny_models, tmp_path
+):
+    flags = trainer_flags(
+        tiny_models, tmp_path / "x", *extra, model="tiny-sd3", device="cpu", report_to="none"
+    )
+    r = run_script(script, flags, script_env(), timeout=120)
+    assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
+    assert not (tmp_path / "x" / "run.json").exists(), "the folder is given back"
+
+
+def test_flux_lora_trains_under_fsdp_and_loads_in_the_stock_pipeline(tiny_models, tmp_path):
+    """Tiny FLUX.1 (its two block kinds sharded): ReFL under --fsdp, the LoRA loads into FluxPipeline. (Its
+    two-process run without --fsdp is not the reference here: FLUX's family reads the network's config through
+    accelerate's DDP wrapper, which does not pass it on.)"""
+    from diffusers import FluxPipeline
+
+    out = tmp_path / "flux"
+    r = _run("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", model="tiny-flux"))
+    assert "weights sharded over 2 process(es) (FSDP2): one copy" in r.stdout
+    pipe = FluxPipeline.from_pretrained(tiny_models / "tiny-flux")
+    assert_lora_changes_stock_images(pipe, out, 32, part="transformer")
+
+
+def test_the_shipped_accelerate_config_is_the_plugin_that_fsdp_builds():
+    """train_scripts/accelerate/fsdp2.yaml names the settings of --fsdp's plugin (refl_ddpo.sharding.fsdp_plugin)."""
+    import yaml
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from refl_ddpo.sharding import fsdp_plugin
+
+    shipped = yaml.safe_load((REPO / "train_scripts" / "accelerate" / "fsdp2.yaml").read_text())
+    assert shipped["distributed_type"] == "FSDP"
+    fsdp = shipped["fsdp_config"]
+    plugin = fsdp_plugin("bf16")
+    assert fsdp["fsdp_version"] == plugin.fsdp_version == 2
+    assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert "transformer_auto_wrap_policy" in repr(plugin.auto_wrap_policy)
+    assert fsdp["fsdp_reshard_after_forward"] is plugin.reshard_after_forward is True
+    assert fsdp["fsdp_state_dict_type"] == "FULL_STATE_DICT" == plugin.state_dict_type.name
+    assert fsdp["fsdp_offload_params"] is False and not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    assert isinstance(fsdp_plugin("no", cpu_offload=True).cpu_offload, CPUOffloadPolicy)
+    assert fsdp["fsdp_cpu_ram_efficient_loading"] is plugin.cpu_ram_efficient_loading is False
+    assert fsdp["fsdp_activation_checkpointing"] is plugin.activation_checkpointing is False
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert fsdp_plugin("no").mixed_precision_policy is None
