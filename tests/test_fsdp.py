@@ -300,17 +300,18 @@ def test_fsdp_settings_that_cannot_work_are_one_line_before_loading(
     assert not (tmp_path / "x" / "run.json").exists(), "the folder is given back"
 
 
-def test_flux_lora_trains_under_fsdp_and_loads_in_the_stock_pipeline(tiny_models, tmp_path):
-    """Tiny FLUX.1 (its two block kinds sharded): ReFL under --fsdp, the LoRA loads into FluxPipeline. (Its
-    two-process run without --fsdp is not the reference here: FLUX's family reads the network's config through
-    accelerate's DDP wrapper, which does not pass it on.)"""
+def test_flux_lora_under_fsdp_equals_the_unsharded_run_and_loads_in_the_stock_pipeline(tiny_models, tmp_path):
+    """Tiny FLUX.1 (its two block kinds sharded): ReFL under --fsdp gives the two-process DDP run's LoRA, which loads
+    into FluxPipeline."""
     from diffusers import FluxPipeline
 
-    out = tmp_path / "flux"
-    r = _run("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", model="tiny-flux"))
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    _run("train_refl_lora.sh", _refl_flags(tiny_models, ddp, model="tiny-flux"))
+    r = _run("train_refl_lora.sh", _refl_flags(tiny_models, fsdp, "--fsdp", model="tiny-flux"))
     assert "weights sharded over 2 process(es) (FSDP2): one copy" in r.stdout
+    _assert_close(_lora(fsdp), _lora(ddp))
     pipe = FluxPipeline.from_pretrained(tiny_models / "tiny-flux")
-    assert_lora_changes_stock_images(pipe, out, 32, part="transformer")
+    assert_lora_changes_stock_images(pipe, fsdp, 32, part="transformer")
 
 
 def test_the_shipped_accelerate_config_is_the_plugin_that_fsdp_builds():

@@ -153,7 +153,7 @@ class Flux(StableDiffusion3):
         packed = self.pack(latents.to(dtype))
         timesteps = (timesteps.expand(b) if timesteps.ndim == 0 else timesteps).to(dtype)
         guidance = None
-        if transformer.config.guidance_embeds:
+        if self.network.config.guidance_embeds:  # the pipeline's transformer: `network` may be wrapped (DDP)
             guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(b)
         img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
         kwargs = {
