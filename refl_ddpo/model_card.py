@@ -108,7 +108,11 @@ FAMILIES = {
     "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
     "qwen_image": "Qwen-Image (MMDiT, flow matching, Qwen2.5-VL text encoder)",
 }
-TAGS = {"sd": "stable-diffusion", "sd3": "stable-diffusion-3", "sdxl": "stable-diffusion-xl", "flux": "flux",
+TAGS = {
+    "sd": "stable-diffusion",
+    "sd3": "stable-diffusion-3",
+    "sdxl": "stable-diffusion-xl",
+    "flux": "flux",
     "qwen_image": "qwen-image",
 }
 

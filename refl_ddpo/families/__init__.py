@@ -51,7 +51,9 @@ def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> M
             "so it cannot run without it; leave --drop_t5 off."
         )
     if drop_t5 and pipeline_class == "QwenImagePipeline":
-        raise UserError(f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt).")
+        raise UserError(
+            f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
+        )
     return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
 
 

@@ -95,7 +95,11 @@ class QwenImage(Flux):
         b, _, h, w = latents.shape
         packed = self.pack(latents.to(dtype))
         timesteps = (timesteps.expand(b) if timesteps.ndim == 0 else timesteps).to(dtype)
-        kwargs = {"timestep": timesteps / 1000, "img_shapes": [[(1, h // 2, w // 2)]] * b, "return_dict": False}
+        kwargs = {
+            "timestep": timesteps / 1000,
+            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+            "return_dict": False,
+        }
         v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0]
         if guidance_scale > 1.0 and uncond is not None:
             v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0]

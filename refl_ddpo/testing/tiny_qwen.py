@@ -30,7 +30,8 @@ QWEN_IMAGE_SCHEDULER = {
     "shift_terminal": 0.02,
     "time_shift_type": "exponential",
 }
-TEXT_WIDTH = 32  # the tiny text encoder's hidden size (Qwen2.5-VL-7B's is 3584), the transformer's joint_attention_dim
+# the tiny text encoder's hidden size (Qwen2.5-VL-7B's is 3584), the transformer's joint_attention_dim
+TEXT_WIDTH = 32
 
 
 def qwen_tokenizer():
@@ -96,7 +97,9 @@ def write_tiny_qwen_image(out: Path, seed: int = 0) -> Path:
     text_encoder = tiny_qwen_vl(tokenizer, seed + 2)
     torch.manual_seed(seed + 1)
     # latents_mean / latents_std are the class defaults: Qwen-Image's
-    vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
+    vae = AutoencoderKLQwenImage(
+        base_dim=16, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]
+    )
     torch.manual_seed(seed)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
