@@ -304,3 +304,59 @@ def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     if trainer == "ddpo":
         assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+
+
+def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_window(
+    tiny_models, tmp_path, capsys
+):
+    """The preset as data (flow_grpo's pickscore_qwenimage): its numbers, and a run of it on the tiny Qwen-Image
+    (smaller batches, one epoch, CPU precision) that trains a 2-step SDE window starting in steps 0-4 into a LoRA the
+    stock pipeline loads."""
+    from refl_ddpo.flags import parse_config
+    from refl_ddpo.trainers import grpo
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    cfg = parse_config(GRPOConfig, ["--preset", "flow_grpo_qwen_image"])
+    assert (cfg.pretrained_model, cfg.reward, cfg.resolution) == ("Qwen/Qwen-Image", "pickscore", 512)
+    assert (cfg.sample_num_steps, cfg.sample_eta, cfg.sample_guidance_scale) == (10, 1.2, 4.0)
+    assert (cfg.sde_window, cfg.sample_num_steps - cfg.train_skip_last_steps - cfg.sde_window) == (2, 4)
+    assert (cfg.group_size, cfg.sample_batch_size * cfg.sample_num_batches_per_epoch) == (16, 16)
+    assert (cfg.learning_rate, cfg.train_clip_range, cfg.kl_weight, cfg.global_std) == (3e-4, 1e-4, 0.0, True)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules) == (
+        64,
+        128,
+        QwenImage.lora_target_modules,
+    )
+    assert cfg.gradient_checkpointing and cfg.mixed_precision == "bf16"
+
+    out = tmp_path / "preset"
+    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
+    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        "flow_grpo_qwen_image",
+        model=MODEL,
+        reward="jpeg_compressibility",
+        mixed_precision="no",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        **small,
+    )
+    grpo.main(flags)
+    assert "epoch 1/1" in capsys.readouterr().out
+    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+
+
+def test_vae_gradient_checkpointing_is_refused_in_one_line(tiny_models, tmp_path, capsys):
+    """diffusers' AutoencoderKLQwenImage has no gradient checkpointing: ReFL says so in one line before training."""
+    from refl_ddpo.trainers import refl
+
+    with pytest.raises(SystemExit) as exit_info:
+        refl.main(
+            _refl_flags(tiny_models, tmp_path / "out", max_train_steps=1, vae_gradient_checkpointing=True)
+        )
+    assert exit_info.value.code == 2
+    assert "AutoencoderKLQwenImage (qwen_image) has no gradient checkpointing" in capsys.readouterr().err
