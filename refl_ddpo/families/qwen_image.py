@@ -50,6 +50,9 @@ class QwenImage(Flux):
         "txt_mlp.net.2",
     ]
     max_sequence_length = 512  # text tokens after the template's dropped head, the pipeline's default
+    # Not guidance-distilled: the guidance flags are classifier-free guidance, so an unset one keeps its own CFG
+    # default (where the kit resolves unset guidance flags by family) rather than FLUX.1's embedded 3.5.
+    embedded_guidance_default: ClassVar[float | None] = None
 
     def prompt_reader(self):
         """The Qwen tokenizer and the prompt tokens that fit in `max_sequence_length` beside the template's kept
