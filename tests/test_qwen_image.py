@@ -11,6 +11,7 @@ from diffusers import QwenImagePipeline
 from helpers import (
     DRAFT_CASES,
     assert_lora_changes_stock_images,
+    assert_lora_moves_the_scores,
     ddpo_first_update,
     run_script,
     trainer_flags,
@@ -273,6 +274,10 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
     card = (out / CARD_NAME).read_text()
     assert "| model family | Qwen-Image" in card and "- qwen-image" in card
 
+    # before / after inference with its scores (true CFG 4), and the scored comparison, on this LoRA
+    extra = ["--resolution", str(RES), "--guidance_scale", "4.0"]
+    assert_lora_moves_the_scores(tiny_models, tiny_models / MODEL, out, prompts, tmp_path, *extra)
+
 
 @pytest.mark.parametrize("flags, described", DRAFT_CASES)
 def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
@@ -360,3 +365,15 @@ def test_vae_gradient_checkpointing_is_refused_in_one_line(tiny_models, tmp_path
         )
     assert exit_info.value.code == 2
     assert "AutoencoderKLQwenImage (qwen_image) has no gradient checkpointing" in capsys.readouterr().err
+
+
+def test_memory_benchmark_configs_are_qwen_images_published_sizes():
+    """benchmarks/configs/qwen_image_*.json build the published parameter counts (on meta): the 20B transformer,
+    Qwen2.5-VL-7B-Instruct (vision tower included) and the 127M VAE."""
+    from benchmarks.qwen_memory import parameter_counts
+
+    assert parameter_counts() == {
+        "transformer": 20_430_401_088,
+        "vae": 126_892_531,
+        "text_encoder": 8_292_166_656,
+    }
