@@ -122,6 +122,21 @@ def test_loop_reproduces_stock_pipeline(stock, guidance_scale, resolution, recor
         assert (ours - _images(family, 1.0, resolution=resolution)[0]).abs().max() > 1e-3
 
 
+def test_loop_reproduces_stock_pipeline_in_bfloat16(tiny_models, record_property):
+    """True CFG 4 in bfloat16: within 1 grey level (the stock postprocess rounds in bfloat16, ours decodes to
+    float32)."""
+    path = tiny_models / MODEL
+    family = load_family(str(path), dtype=torch.bfloat16)
+    pipe = QwenImagePipeline.from_pretrained(path, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    ours = _images(family, 4.0)[0].float()
+    kw = {"height": RES, "width": RES, "output_type": "pt", "negative_prompt": "", "true_cfg_scale": 4.0}
+    ref = pipe(PROMPTS, num_inference_steps=4, generator=_generators(), **kw).images.float()
+    diff = (ours - ref).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255
+
+
 def test_true_cfg_rescales_each_token_to_the_text_predictions_norm(stock):
     family = QwenImage(stock)
     cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
