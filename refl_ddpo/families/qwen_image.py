@@ -28,22 +28,16 @@ import torch
 
 from refl_ddpo.families.base import Cond
 from refl_ddpo.families.flux import Flux
+from refl_ddpo.families.sd3 import StableDiffusion3
 
 
 class QwenImage(Flux):
     name = "qwen_image"
     pipeline_class = "QwenImagePipeline"
-    # The joint attention's projections of the image and text streams and both streams' MLPs (Flow-GRPO's Qwen-Image
-    # targets); diffusers' QwenImage LoRA loader reads them under `transformer.`.
+    # SD3's (the joint attention's projections of the image and text streams) and both streams' MLPs (Flow-GRPO's
+    # Qwen-Image targets); diffusers' QwenImage LoRA loader reads them under `transformer.`.
     lora_target_modules: ClassVar[list[str]] = [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
+        *StableDiffusion3.lora_target_modules,
         "img_mlp.net.0.proj",
         "img_mlp.net.2",
         "txt_mlp.net.0.proj",

@@ -174,8 +174,8 @@ GRPO_PRESETS["toy_world_sd3"] = {
 # (their sde_window_range (0, 5): here the windows that end before the last 4 steps), groups of 16 from 4 batches of
 # 4, 2 optimizer steps per epoch, beta 0, global std, lr 3e-4, clip 1e-4 (their base config), bf16, activation
 # checkpointing; they evaluate with 50 deterministic steps at CFG 4. LoRA r 64 / alpha 128 on the joint attention and
-# both streams' MLPs (the family's default targets), as verl's Flow-GRPO Qwen-Image example
-# (examples/flowgrpo_trainer/run_flowgrpo.sh).
+# both streams' MLPs, as verl's Flow-GRPO Qwen-Image example (examples/flowgrpo_trainer/run_flowgrpo.sh): the
+# family's default targets, so --lora_target_modules stays unset.
 GRPO_PRESETS["flow_grpo_qwen_image"] = {
     "pretrained_model": "Qwen/Qwen-Image",
     "reward": "pickscore",
@@ -197,20 +197,6 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
     "learning_rate": 3e-4,
     "lora_rank": 64,
     "lora_alpha": 128,
-    "lora_target_modules": [
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "img_mlp.net.0.proj",
-        "img_mlp.net.2",
-        "txt_mlp.net.0.proj",
-        "txt_mlp.net.2",
-    ],
     "mixed_precision": "bf16",
     "gradient_checkpointing": True,
     "num_epochs": 1000,
