@@ -34,6 +34,7 @@ _LORA_FORMATS = {
     "UNet2DConditionModel": ("StableDiffusionPipeline", "unet", True),
     "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
     "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
+    "QwenImageTransformer2DModel": ("QwenImagePipeline", "transformer", False),
 }
 
 

@@ -106,8 +106,15 @@ FAMILIES = {
     "sd3": "Stable Diffusion 3 / 3.5 (MMDiT, flow matching)",
     "sdxl": "Stable Diffusion XL (UNet, two CLIP text encoders)",
     "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
+    "qwen_image": "Qwen-Image (MMDiT, flow matching, Qwen2.5-VL text encoder)",
 }
-TAGS = {"sd": "stable-diffusion", "sd3": "stable-diffusion-3", "sdxl": "stable-diffusion-xl", "flux": "flux"}
+TAGS = {
+    "sd": "stable-diffusion",
+    "sd3": "stable-diffusion-3",
+    "sdxl": "stable-diffusion-xl",
+    "flux": "flux",
+    "qwen_image": "qwen-image",
+}
 
 
 def _value(v) -> str:

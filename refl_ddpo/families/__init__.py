@@ -22,6 +22,7 @@ FAMILIES = {
     "StableDiffusion3Pipeline": ("refl_ddpo.families.sd3", "StableDiffusion3"),
     "StableDiffusionXLPipeline": ("refl_ddpo.families.sdxl", "StableDiffusionXL"),
     "FluxPipeline": ("refl_ddpo.families.flux", "Flux"),
+    "QwenImagePipeline": ("refl_ddpo.families.qwen_image", "QwenImage"),
 }
 
 
@@ -49,6 +50,10 @@ def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> M
         raise UserError(
             f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
             "so it cannot run without it; leave --drop_t5 off."
+        )
+    if drop_t5 and pipeline_class == "QwenImagePipeline":
+        raise UserError(
+            f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
     return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
 

@@ -21,7 +21,17 @@ def cond_expand(cond: Cond, batch_size: int) -> Cond:
 
 
 def cond_cat(conds: list[Cond]) -> Cond:
-    return {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+    """The conditionings side by side (batch dim). Sequences of unequal length (Qwen-Image's text, padded to each
+    batch's longest prompt) are right-padded with zeros first, which its mask marks as padding."""
+    out = {}
+    for k in conds[0]:
+        parts = [c[k] for c in conds]
+        n = max(p.shape[1] for p in parts) if parts[0].ndim > 1 else None
+        if n is not None and any(p.shape[1] != n for p in parts):
+            pad = [(0, 0) * (p.ndim - 2) + (0, n - p.shape[1]) for p in parts]
+            parts = [torch.nn.functional.pad(p, padding) for p, padding in zip(parts, pad, strict=True)]
+        out[k] = torch.cat(parts)
+    return out
 
 
 def pooled_conds(embeds, negative, pooled, negative_pooled, with_negative: bool) -> tuple[Cond, Cond | None]:

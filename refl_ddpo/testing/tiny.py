@@ -10,6 +10,8 @@ writes
                             and text_encoder_2 with their tokenizers, Euler scheduler)
     OUT/tiny-flux/, OUT/tiny-flux-schnell/   FLUX.1 layout, dev-like (guidance embedding) and schnell-like
                             (refl_ddpo.testing.tiny_flux)
+    OUT/tiny-qwen-image/    Qwen-Image layout: Qwen2.5-VL text encoder and Qwen2 tokenizer built offline,
+                            the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -254,7 +256,7 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
     """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
-    from refl_ddpo.testing import tiny_flux, tiny_rewards
+    from refl_ddpo.testing import tiny_flux, tiny_qwen, tiny_rewards
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -262,6 +264,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     write_tiny_stable_diffusion_3(out, seed)
     write_tiny_stable_diffusion_xl(out, seed)
     tiny_flux.write_tiny_flux(out, seed)
+    tiny_qwen.write_tiny_qwen_image(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)
     tiny_rewards.write_aesthetic(out / "aesthetic", seed=seed)
     tiny_rewards.write_clip(out, seed=seed)

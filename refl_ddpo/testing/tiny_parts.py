@@ -1,6 +1,6 @@
 """Pieces the tiny builders share (refl_ddpo.testing.tiny, tiny_rewards, toy_train): the real SD v1.x scheduler
-settings, a CLIP and a T5 tokenizer built offline (no hub), a tiny CLIP text config, and the tiny VAE and T5 encoder
-of the SD / SD3 / SDXL / FLUX.1 folders."""
+settings, a CLIP and a T5 tokenizer built offline (no hub) and the byte table of CLIP's and Qwen's, a tiny CLIP text
+config, and the tiny VAE and T5 encoder of the SD / SD3 / SDXL / FLUX.1 folders."""
 
 from __future__ import annotations
 
@@ -22,16 +22,21 @@ SD_SCHEDULER_CONFIG = {
 }
 
 
-def _byte_level_vocab() -> dict[str, int]:
-    """A CLIP BPE vocab with no merges: every byte-char, every byte-char + '</w>', and the two special tokens."""
-    # GPT-2/CLIP byte-to-unicode table: printable bytes map to themselves, the rest to chars from U+0100 on.
+def byte_chars() -> list[str]:
+    """The GPT-2 / CLIP / Qwen byte-to-unicode table, byte by byte: printable bytes map to themselves, the rest to
+    chars from U+0100 on."""
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
     ]
     extra = iter(range(256, 512))
-    chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _byte_level_vocab() -> dict[str, int]:
+    """A CLIP BPE vocab with no merges: every byte-char, every byte-char + '</w>', and the two special tokens."""
+    chars = byte_chars()
     tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
     return {t: i for i, t in enumerate(tokens)}
 

@@ -277,5 +277,41 @@ GRPO_PRESETS["dance_grpo_flux"] = {
     "save_freq": 40,
 }
 
+# Flow-GRPO on Qwen-Image with PickScore (yifan123/flow_grpo config/grpo.py pickscore_qwenimage, per GPU): 10 SDE
+# steps at noise level 1.2 with true CFG 4, stochastic and trained only in a window of 2 steps starting in steps 0-4
+# (their sde_window_range (0, 5): here the windows that end before the last 4 steps), groups of 16 from 4 batches of
+# 4, 2 optimizer steps per epoch, beta 0, global std, lr 3e-4, clip 1e-4 (their base config), bf16, activation
+# checkpointing; they evaluate with 50 deterministic steps at CFG 4. LoRA r 64 / alpha 128 on the joint attention and
+# both streams' MLPs, as verl's Flow-GRPO Qwen-Image example (examples/flowgrpo_trainer/run_flowgrpo.sh): the
+# family's default targets, so --lora_target_modules stays unset.
+GRPO_PRESETS["flow_grpo_qwen_image"] = {
+    "pretrained_model": "Qwen/Qwen-Image",
+    "reward": "pickscore",
+    "resolution": 512,
+    "sample_num_steps": 10,
+    "sample_eta": 1.2,
+    "sample_guidance_scale": 4.0,
+    "sde_window": 2,
+    "train_skip_last_steps": 4,
+    "sample_batch_size": 4,
+    "sample_num_batches_per_epoch": 4,
+    "group_size": 16,
+    "global_std": True,
+    "train_batch_size": 4,
+    "train_gradient_accumulation_steps": 2,
+    "train_clip_range": 1e-4,
+    "train_adv_clip_max": 5.0,
+    "kl_weight": 0.0,
+    "learning_rate": 3e-4,
+    "lora_rank": 64,
+    "lora_alpha": 128,
+    "mixed_precision": "bf16",
+    "gradient_checkpointing": True,
+    "num_epochs": 1000,
+    "save_freq": 30,
+    "validation_guidance_scale": 4.0,
+    "validation_num_steps": 50,
+}
+
 GRPOConfig.ALIASES = DDPO_ALIASES
 GRPOConfig.PRESETS = GRPO_PRESETS

@@ -46,6 +46,7 @@ from refl_ddpo.algorithms.forward import (
 )
 from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
 from refl_ddpo.errors import cli_main
+from refl_ddpo.families import cond_cat
 from refl_ddpo.rollouts import collect_rewards, sample_clean
 from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 from refl_ddpo.trainers.epochs import EpochAlgorithm, EpochPlan, ScoredEpoch
@@ -197,7 +198,7 @@ class ForwardProcess(EpochAlgorithm):
         samples = {
             "x0": torch.cat([b.latents for b in scored.batches]),
             "advantages": scored.advantages.to(scored.batches[0].latents.device),
-            **{k: torch.cat([b.cond[k] for b in scored.batches]) for k in scored.batches[0].cond},
+            **cond_cat([b.cond for b in scored.batches]),
         }
         scored.batches.clear()
         steps = forward_sizes(cfg, run.accelerator.num_processes)["optimizer steps per epoch"]

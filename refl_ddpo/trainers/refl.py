@@ -120,6 +120,11 @@ class ReFL(Algorithm):
         # forward process of the pretraining loss
         self.noise_scheduler = family.scheduler("DDPMScheduler") if self.pretrain_data is not None else None
         if cfg.vae_gradient_checkpointing:
+            if not family.vae._supports_gradient_checkpointing:  # Qwen-Image's AutoencoderKLQwenImage
+                raise UserError(
+                    f"--vae_gradient_checkpointing: diffusers' {type(family.vae).__name__} ({family.name}) has no "
+                    "gradient checkpointing; drop the flag."
+                )
             family.vae.enable_gradient_checkpointing()
         run.reward = build_refl_reward(cfg, run.accelerator.device, run.dtype)
         # random streams: k alike on all processes; prompts and noise per process

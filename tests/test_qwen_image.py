@@ -1,0 +1,390 @@
+"""The Qwen-Image family on the tiny random Qwen-Image folder: loading by model_index.json, prompt encoding, noise
+and the loop vs the stock QwenImagePipeline (true CFG with its norm rescale, the resolution-dependent shift, the VAE's
+latent normalisation), conditionings of unequal text lengths side by side, the reward gradient, every trainer for two
+steps, ReFL / GRPO / DDPO LoRAs in the stock `load_lora_weights`, the card and validation naming the family."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from helpers import (
+    DRAFT_CASES,
+    assert_lora_changes_stock_images,
+    assert_lora_moves_the_scores,
+    ddpo_first_update,
+    run_script,
+    trainer_flags,
+)
+
+from refl_ddpo.families import cond_cat, family_class, load_family
+from refl_ddpo.families.qwen_image import QwenImage
+from refl_ddpo.sampling import denoise
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
+
+PROMPTS = ["a photo of a cat", "a red bird"]
+RES = 32
+SEEDS = [3, 7]  # one CPU generator per image, as the inference scripts draw
+MODEL = "tiny-qwen-image"
+
+
+def _stock(path) -> QwenImagePipeline:
+    pipe = QwenImagePipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_models):
+    return _stock(tiny_models / MODEL)
+
+
+def _generators():
+    return [torch.Generator().manual_seed(s) for s in SEEDS]
+
+
+def test_load_family_picks_qwen_image_from_model_index(tiny_models):
+    from refl_ddpo.errors import UserError
+
+    family = load_family(str(tiny_models / MODEL))
+    assert isinstance(family, QwenImage) and family_class("QwenImagePipeline") is QwenImage
+    assert family.native_resolution == 128 * family.vae_scale_factor  # the pipeline's default height
+    assert not any(p.requires_grad for p in family.network.parameters())
+    with pytest.raises(UserError, match="has no T5"):
+        load_family(str(tiny_models / MODEL), drop_t5=True)
+
+
+def test_encode_prompts_equal_the_stock_encode_prompt(stock):
+    family = QwenImage(stock)
+    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+    with torch.no_grad():
+        embeds, mask = stock.encode_prompt(PROMPTS, device="cpu", max_sequence_length=512)
+        empty, empty_mask = stock.encode_prompt([""] * 2, device="cpu", max_sequence_length=512)
+    assert torch.equal(cond["prompt_embeds"], embeds) and torch.equal(cond["prompt_embeds_mask"], mask)
+    assert mask[1].sum() < mask[0].sum() == mask.shape[1]  # the shorter prompt is padded and masked
+    assert torch.equal(uncond["prompt_embeds"], empty)
+    assert empty_mask is None and bool(uncond["prompt_embeds_mask"].all())  # the kit keeps a mask of ones
+    assert family.encode_prompts(PROMPTS, with_negative=False)[1] is None
+
+
+def test_a_prompt_is_said_truncated_past_the_512_tokens_the_template_leaves(stock, capsys):
+    family = QwenImage(stock)
+    tokenizer, limit = family.prompt_reader()
+    kept = len(tokenizer(stock.prompt_template_encode.format("")).input_ids) - 34  # the template's tail
+    assert limit == 512 - kept
+    family.encode_prompts(["a" * limit], with_negative=False)  # one token per byte: exactly fits
+    assert "truncated" not in capsys.readouterr().err
+    family.encode_prompts(["a" * (limit + 1)], with_negative=False)
+    assert f"the text encoder reads {limit}" in capsys.readouterr().err
+
+
+def test_noise_and_packing_are_the_pipelines(stock):
+    family = QwenImage(stock)
+    noise = family.initial_noise(2, RES, _generators(), torch.float32)
+    assert noise.shape == (2, 16, 16, 16)
+    packed = stock.prepare_latents(2, 16, RES, RES, torch.float32, "cpu", _generators())
+    assert torch.equal(family.pack(noise), packed) and packed.shape == (2, 64, 64)
+    assert torch.equal(family.unpack(packed, 16, 16), noise)
+
+
+def _images(family, guidance_scale, steps=4, resolution=RES):
+    with torch.no_grad():
+        cond, negative = family.encode_prompts(PROMPTS, with_negative=guidance_scale > 1)
+        noise = family.initial_noise(len(PROMPTS), resolution, _generators(), cond["prompt_embeds"].dtype)
+        scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+        out = denoise(family, scheduler, cond, negative, noise, steps, guidance_scale)
+        return family.decode(out.latents), out.timesteps
+
+
+@pytest.mark.parametrize("guidance_scale, resolution", [(1.0, RES), (4.0, RES), (4.0, 48)])
+def test_loop_reproduces_stock_pipeline(stock, guidance_scale, resolution, record_property):
+    """No CFG, and true CFG 4 against the empty prompt (the stock pipeline's negative_prompt=""), at 32 px and at
+    48 px (another image token count: another shift mu)."""
+    family = QwenImage(stock)
+    ours, timesteps = _images(family, guidance_scale, resolution=resolution)
+    cfg = {"negative_prompt": "", "true_cfg_scale": guidance_scale} if guidance_scale > 1 else {}
+    ref = stock(
+        PROMPTS,
+        num_inference_steps=4,
+        generator=_generators(),
+        height=resolution,
+        width=resolution,
+        output_type="pt",
+        **cfg,
+    ).images
+    assert ours.shape == ref.shape == (2, 3, resolution, resolution)
+    diff = (ours - ref).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255
+    assert timesteps[-1].item() == pytest.approx(20.0)  # Qwen-Image's shift_terminal 0.02
+    if guidance_scale > 1:  # CFG changes the image
+        assert (ours - _images(family, 1.0, resolution=resolution)[0]).abs().max() > 1e-3
+
+
+def test_loop_reproduces_stock_pipeline_in_bfloat16(tiny_models, record_property):
+    """True CFG 4 in bfloat16: within 1 grey level (the stock postprocess rounds in bfloat16, ours decodes to
+    float32)."""
+    path = tiny_models / MODEL
+    family = load_family(str(path), dtype=torch.bfloat16)
+    pipe = QwenImagePipeline.from_pretrained(path, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    ours = _images(family, 4.0)[0].float()
+    kw = {"height": RES, "width": RES, "output_type": "pt", "negative_prompt": "", "true_cfg_scale": 4.0}
+    ref = pipe(PROMPTS, num_inference_steps=4, generator=_generators(), **kw).images.float()
+    diff = (ours - ref).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255
+
+
+def test_true_cfg_rescales_each_token_to_the_text_predictions_norm(stock):
+    family = QwenImage(stock)
+    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+    x = family.initial_noise(2, RES, _generators(), torch.float32)
+    scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+    t = family.set_timesteps(scheduler, 4, x)[1]
+    with torch.no_grad():
+        text = family.pack(family.predict(x, t, scheduler, cond, None, 1.0))
+        guided = family.pack(family.predict(x, t, scheduler, cond, uncond, 4.0))
+    torch.testing.assert_close(guided.norm(dim=-1), text.norm(dim=-1))
+    assert (guided - text).abs().max() > 1e-3
+
+
+def test_conditionings_of_unequal_lengths_concatenate_padded_and_predict_the_same(stock):
+    """cond_cat (DDPO / NFT sample buffers) right-pads a batch's shorter text with masked zeros: the prediction
+    of each image is unchanged."""
+    family = QwenImage(stock)
+    short = family.encode_prompts(["a cat"], with_negative=False)[0]
+    long = family.encode_prompts(["a red bird on a branch"], with_negative=False)[0]
+    both = cond_cat([short, long])
+    n = long["prompt_embeds"].shape[1]
+    assert both["prompt_embeds"].shape[1] == n > short["prompt_embeds"].shape[1]
+    assert both["prompt_embeds_mask"][0].sum() == short["prompt_embeds"].shape[1]
+    x = family.initial_noise(2, RES, _generators(), torch.float32)
+    scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+    t = family.set_timesteps(scheduler, 4, x)[0]
+    with torch.no_grad():
+        together = family.predict(x, t, scheduler, both, None, 1.0)
+        alone = family.predict(x[:1], t, scheduler, short, None, 1.0)
+    torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
+    """ReFL's path (no grad to step k, one step with true CFG and grad, predicted x0, VAE decode) on Qwen-Image's
+    default targets, both streams' MLPs included."""
+    from refl_ddpo.lora import add_lora
+
+    family = load_family(str(tiny_models / MODEL))
+    network = family.network
+    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
+    names = [n for n, _ in network.named_parameters() if "lora_A" in n]
+    for part in ("img_mlp.net.0.proj", "txt_mlp.net.2", "attn.add_q_proj", "attn.to_out.0"):
+        assert any(part in n for n in names), part
+    base_before = {n: p.detach().clone() for n, p in network.named_parameters() if "lora_" not in n}
+    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+    noise = family.initial_noise(2, RES, _generators(), torch.float32)
+    scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+    out = denoise(family, scheduler, cond, uncond, noise, 4, 4.0, grad_steps={2}, stop_at=2)
+    family.decode(out.pred_original_sample).mean().backward()
+    # the last block's text-stream output is discarded (only the image tokens reach proj_out): its text queries,
+    # text output projection and text MLP get no gradient; every other LoRA tensor does
+    last = f"transformer_blocks.{len(network.transformer_blocks) - 1}."
+    dead = [f"{last}attn.add_q_proj", f"{last}attn.to_add_out", f"{last}txt_mlp"]
+    for n, p in network.named_parameters():
+        if "lora_" in n:
+            reached = p.grad is not None and p.grad.abs().sum() > 0
+            assert reached != any(n.startswith(d) for d in dead), n
+    torch.optim.AdamW(params, lr=1e-2).step()
+    assert all(torch.equal(base_before[n], p) for n, p in network.named_parameters() if "lora_" not in n)
+
+
+def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
+    """DDPO's sample buffers carry Qwen-Image's text and mask and its (B, 16, h, w) latents; the first PPO step
+    recomputes the flow SDE step's log-probs with true CFG 4: approx KL 0, nothing clipped."""
+    from refl_ddpo.lora import add_lora
+
+    torch.manual_seed(0)
+    family = load_family(str(tiny_models / MODEL))
+    scheduler = family.policy_scheduler()
+    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
+    kw = {"num_steps": 3, "guidance_scale": 4.0, "eta": 0.7}
+    samples, first = ddpo_first_update(family, scheduler, params, family.empty_cond(), PROMPTS * 4, RES, **kw)
+    assert samples["prompt_embeds"].shape[0] == 4 and samples["prompt_embeds_mask"].shape[0] == 4
+    assert samples["next_latents"].shape == (4, 3, 16, 16, 16)
+    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
+
+
+# ---- the trainers, two steps each ----
+
+
+def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=MODEL,
+        reward="jpeg_compressibility",
+        prompt_fn="simple_animals",
+        sample_num_steps=3,
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        sample_guidance_scale=4.0,
+        learning_rate="3e-2",
+        lora_init="random",
+        num_epochs=2,
+        device="cpu",
+        report_to="none",
+        **flags,
+    )
+
+
+def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=MODEL,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        guidance_scale=4.0,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        **flags,
+    )
+
+
+def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_qwen_image(
+    tiny_models, tmp_path, capsys
+):
+    """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's
+    images; the run, the validation files and the model card name the family."""
+    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.trainers import refl
+    from refl_ddpo.validation import validation_files
+
+    prompts = tmp_path / "validation.txt"
+    prompts.write_text("a photo of a cat\n")
+    out = tmp_path / "refl"
+    refl.main(
+        _refl_flags(
+            tiny_models,
+            out,
+            max_train_steps=2,
+            kl_weight=1,
+            validation_prompts_file=prompts,
+            num_validation_images=1,
+            validation_num_steps=3,
+            validation_guidance_scale=4.0,
+        )
+    )
+    assert "model family: qwen_image" in capsys.readouterr().out
+    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+    records = validation_files(out)
+    assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"qwen_image"}
+    card = (out / CARD_NAME).read_text()
+    assert "| model family | Qwen-Image" in card and "- qwen-image" in card
+
+    # before / after inference with its scores (true CFG 4), and the scored comparison, on this LoRA
+    extra = ["--resolution", str(RES), "--guidance_scale", "4.0"]
+    assert_lora_moves_the_scores(tiny_models, tiny_models / MODEL, out, prompts, tmp_path, *extra)
+
+
+@pytest.mark.parametrize("flags, described", DRAFT_CASES)
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
+    from refl_ddpo.trainers import refl
+
+    out = tmp_path / "draft"
+    refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
+    assert described in capsys.readouterr().out
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
+    out = tmp_path / "grpo"
+    r = run_script("train_grpo.sh", _policy_flags(tiny_models, out, group_size=2, beta="0.04"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+
+
+@pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
+def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
+    """DDPO, DiffusionNFT and AWM (the prompts of simple_animals differ in length: the epoch's batches are
+    concatenated padded)."""
+    import importlib
+
+    out = tmp_path / trainer
+    extra = {} if trainer == "ddpo" else {"group_size": 2}
+    importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
+    assert "epoch 2/2" in capsys.readouterr().out
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    if trainer == "ddpo":
+        assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+
+
+def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_window(
+    tiny_models, tmp_path, capsys
+):
+    """The preset as data (flow_grpo's pickscore_qwenimage): its numbers, and a run of it on the tiny Qwen-Image
+    (smaller batches, one epoch, CPU precision) that trains a 2-step SDE window starting in steps 0-4 into a LoRA the
+    stock pipeline loads."""
+    from refl_ddpo.flags import parse_config
+    from refl_ddpo.trainers import grpo
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    cfg = parse_config(GRPOConfig, ["--preset", "flow_grpo_qwen_image"])
+    assert (cfg.pretrained_model, cfg.reward, cfg.resolution) == ("Qwen/Qwen-Image", "pickscore", 512)
+    assert (cfg.sample_num_steps, cfg.sample_eta, cfg.sample_guidance_scale) == (10, 1.2, 4.0)
+    assert (cfg.sde_window, cfg.sample_num_steps - cfg.train_skip_last_steps - cfg.sde_window) == (2, 4)
+    assert (cfg.group_size, cfg.sample_batch_size * cfg.sample_num_batches_per_epoch) == (16, 16)
+    assert (cfg.learning_rate, cfg.train_clip_range, cfg.kl_weight, cfg.global_std) == (3e-4, 1e-4, 0.0, True)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules) == (64, 128, None)  # the family's default
+    assert cfg.gradient_checkpointing and cfg.mixed_precision == "bf16"
+
+    out = tmp_path / "preset"
+    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
+    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        "flow_grpo_qwen_image",
+        model=MODEL,
+        reward="jpeg_compressibility",
+        mixed_precision="no",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        **small,
+    )
+    grpo.main(flags)
+    assert "epoch 1/1" in capsys.readouterr().out
+    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
+
+
+def test_vae_gradient_checkpointing_is_refused_in_one_line(tiny_models, tmp_path, capsys):
+    """diffusers' AutoencoderKLQwenImage has no gradient checkpointing: ReFL says so in one line before training."""
+    from refl_ddpo.trainers import refl
+
+    with pytest.raises(SystemExit) as exit_info:
+        refl.main(
+            _refl_flags(tiny_models, tmp_path / "out", max_train_steps=1, vae_gradient_checkpointing=True)
+        )
+    assert exit_info.value.code == 2
+    assert "AutoencoderKLQwenImage (qwen_image) has no gradient checkpointing" in capsys.readouterr().err
+
+
+def test_memory_benchmark_configs_are_qwen_images_published_sizes():
+    """benchmarks/configs/qwen_image_*.json build the published parameter counts (on meta): the 20B transformer,
+    Qwen2.5-VL-7B-Instruct (vision tower included) and the 127M VAE."""
+    from benchmarks.qwen_memory import parameter_counts
+
+    assert parameter_counts() == {
+        "transformer": 20_430_401_088,
+        "vae": 126_892_531,
+        "text_encoder": 8_292_166_656,
+    }
