@@ -69,7 +69,8 @@ def check_finite_weights(
         if p.requires_grad and not bool(torch.isfinite(local(p)).all())
     ]
     # sharded (FSDP): each process sees its own shards, so they agree on the verdict (every process calls this)
-    if any(isinstance(p, DTensor) for p in model.parameters()) and any_process(bool(bad)) and not bad:
+    shards = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if shards and any_process(bool(bad), local(shards[0]).device) and not bad:
         bad = ["a shard held by another process"]
     if bad:
         raise UserError(f"{what}: {len(bad)} trained tensor(s) hold NaN or inf (e.g. {bad[0]}); {fix}.")
@@ -200,18 +201,15 @@ def _save_sharded_network(accelerator, folder: Path) -> None:
 
 def _load_sharded_network(accelerator, folder: Path) -> None:
     """_save_sharded_network's files back into every process' shards."""
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME, convert_unet_state_dict_to_peft
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME, _lora_format
+    from refl_ddpo.lora import read_lora_state
     from refl_ddpo.sharding import load_full_state, load_optimizer, peft_keys_to_model
 
     network, optimizer = _sharded_parts(accelerator)
     if getattr(network, "peft_config", None):
-        prefix = _lora_format(network)[1]
-        saved = load_file(str(folder / LORA_WEIGHTS_NAME))
-        saved = convert_unet_state_dict_to_peft({k.removeprefix(f"{prefix}."): v for k, v in saved.items()})
-        state = peft_keys_to_model(saved)
+        state = peft_keys_to_model(read_lora_state(network, folder))
     else:
         state = load_file(str(folder / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME))
     load_full_state(network, state)

@@ -39,10 +39,9 @@ _LORA_FORMATS = {
 
 
 def _lora_format(network) -> tuple[str, str, bool]:
-    # under FSDP2 the network's class is a subclass made by fully_shard (FSDPSD3Transformer2DModel): its base counts
-    name = next(
-        (c.__name__ for c in type(network).__mro__ if c.__name__ in _LORA_FORMATS), type(network).__name__
-    )
+    from refl_ddpo.sharding import unsharded_class
+
+    name = unsharded_class(network).__name__
     if name not in _LORA_FORMATS:
         raise UserError(f"no LoRA file format known for a {name}; known: {', '.join(_LORA_FORMATS)}.")
     return _LORA_FORMATS[name]
@@ -122,13 +121,13 @@ def save_lora(
         from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
         from safetensors.torch import save_file
 
+        from refl_ddpo.sharding import unsharded_class
+
         (out_dir / FULL_UNET_DIR).mkdir(exist_ok=True)
         unet.save_config(out_dir / FULL_UNET_DIR)
         conf = out_dir / FULL_UNET_DIR / "config.json"  # the class fully_shard derived is no diffusers class
         saved = json.loads(conf.read_text())
-        saved["_class_name"] = next(
-            c.__name__ for c in type(unet).__mro__ if not c.__name__.startswith("FSDP")
-        )
+        saved["_class_name"] = unsharded_class(unet).__name__
         conf.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(tensors, str(out_dir / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
@@ -139,16 +138,21 @@ def save_lora(
     return out_dir
 
 
-def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
-    """Restore a LoRA saved by `save_lora` into a UNet that already has the same adapter (resume)."""
+def read_lora_state(unet, lora_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A LoRA saved by `save_lora` for this network, in peft's names (`x.lora_A.weight`)."""
     from diffusers.utils import convert_unet_state_dict_to_peft
-    from peft.utils import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     state = load_file(str(Path(lora_dir) / LORA_WEIGHTS_NAME))
     prefix = _lora_format(unet)[1]
-    state = {k.removeprefix(f"{prefix}."): v for k, v in state.items()}
-    result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(state))
+    return convert_unet_state_dict_to_peft({k.removeprefix(f"{prefix}."): v for k, v in state.items()})
+
+
+def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
+    """Restore a LoRA saved by `save_lora` into a UNet that already has the same adapter (resume)."""
+    from peft.utils import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(unet, read_lora_state(unet, lora_dir))
     if getattr(result, "unexpected_keys", None):
         raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
 

@@ -84,6 +84,14 @@ def is_sharded(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
+def unsharded_class(module) -> type:
+    """The module's own class: fully_shard swaps it for a subclass (FSDPSD3Transformer2DModel of FSDPModule and
+    SD3Transformer2DModel) that no diffusers loader knows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def trainable_params(network) -> list[torch.nn.Parameter]:
     """The trained tensors of `network` in named_parameters order (after sharding: the DTensor parameters)."""
     return [p for p in network.parameters() if p.requires_grad]
@@ -103,15 +111,14 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def any_process(flag: bool) -> bool:
-    """True on every process if `flag` is True on any (a collective when torch.distributed runs)."""
+def any_process(flag: bool, device: torch.device) -> bool:
+    """True on every process if `flag` is True on any (a collective when torch.distributed runs), reduced on
+    `device` (where the process' shards live, which its process group reaches)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return flag
-    t = torch.tensor([int(flag)])
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
+    t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
