@@ -288,6 +288,25 @@ def test_toy_palette_clean_allows_every_palette_colour_and_nothing_else():
     assert torch.isfinite(blotchy.grad).all() and blotchy.grad.abs().sum() > 0
 
 
+def test_toy_color_clean_is_the_sum_on_the_right_colour_and_zero_on_a_wrong_one():
+    from refl_ddpo.rewards import build_reward
+
+    images, prompts = _rendered(seed=7)
+    x = images.float() / 255
+    fn = build_reward("toy_color_clean", "cpu", model_dir=str(tw.DATA_DIR))
+    summed = build_reward("toy_color_match:1,toy_clean:1", "cpu", model_dir=str(tw.DATA_DIR))
+    assert not fn.differentiable
+    r, info = fn(x, prompts, [{}] * 72)
+    assert (
+        torch.equal(r, summed(x, prompts, [{}] * 72)[0]) and (r > 1.95).all()
+    )  # rendered: right colour, clean
+    assert "dirty" in info
+    wrong = [f"a {tw.parse_prompt(tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18])[0]} circle" for p in prompts]
+    assert torch.equal(fn(x, wrong, [{}] * 72)[0], torch.zeros(72))  # toy_clean alone would pay about 0.9
+    blank = torch.full((1, 3, tw.SIZE, tw.SIZE), 128 / 255)
+    assert fn(blank, ["a red circle"], [{}])[0].item() == 0.0  # no shape, no colour: nothing for being clean
+
+
 def test_base_model_is_deliberately_imperfect():
     """Inference defaults (DDIM 50 steps, eta 0, CFG 7.5, 32 px), stock pipeline, seeds 1000 and 1001 for every
     prompt (one CPU generator per image): colour accuracy within [0.2, 0.7], so rewards have room to improve it.

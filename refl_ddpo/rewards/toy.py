@@ -19,7 +19,12 @@
                       colour and only its anti-aliased edge costs. Beside a 0/1 colour reward (GRPO) toy_clean pays
                       a group whose shapes all have the wrong colour for shrinking them; this one does not. Tried as
                       GRPO's toy recipe, it kept the shapes but learned the colour slower and less steadily
-                      (docs/learning_spread.md), so the preset keeps toy_clean.
+                      (docs/learning_spread.md).
+    toy_color_clean   toy_color_match * (1 + toy_clean): the two summed where the colour is right, 0 where it is
+                      wrong, so cleanliness counts only on a shape of the right colour. Beside the 0/1 colour reward,
+                      plain toy_clean pays a wrong-coloured shape for shrinking (its pixels are dirty), and GRPO's
+                      group std scales that up to +-1 in a group whose colours are all wrong; here such a group has
+                      equal rewards and no gradient. Not differentiable.
 
 Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """
@@ -84,6 +89,21 @@ def toy_palette_clean(
     device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
 ):
     return _clean(device, softness, any_palette_colour=True)
+
+
+def toy_color_clean(
+    device: torch.device, dtype: torch.dtype, model_dir: str, softness: float = CLEAN_SOFTNESS, **options
+):
+    colour, clean = (
+        toy_color_match(device, dtype, model_dir),
+        _clean(device, softness, any_palette_colour=False),
+    )
+
+    def reward_fn(images, prompts, metadata):
+        ok, info = colour(images, prompts, metadata)
+        return ok * (1 + clean(images, prompts, metadata)[0]), info
+
+    return reward_fn
 
 
 def _clean(device: torch.device, softness: float, any_palette_colour: bool):
