@@ -229,6 +229,20 @@ def main(argv: list[str] | None = None) -> dict:
         ),
         "|---|---|---|---|---|---|",
     ]
+    notes = [
+        (
+            f"Computed on the meta device, not measured: Qwen-Image architecture, bf16, {args.resolution} px, a "
+            f"ReFL rollout of {args.refl_steps} steps with grad at step {args.refl_k}. Weights: what is live before "
+            "the counted run (weights and AdamW states). Text encoder off the device (derived, not counted): the "
+            "peak less its weights (it runs before the rollout, whose backward holds the peak)."
+        )
+    ]
+    if args.fsdp_world_size:
+        notes.append(
+            f"Per rank, rank 0 of {args.fsdp_world_size}: the transformer sharded with the kit's FSDP2 (--fsdp; see "
+            "benchmarks/memory.py); the text encoder, VAE and ImageReward whole on every rank."
+        )
+    footer = "\n" + "".join(f"- {n}\n" for n in notes)
     checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
     on_device = {"both": (True, False), "on": (True,), "off": (False,)}[args.text_encoder]
     with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
@@ -260,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
                         out,
                         {
                             "memory.json": json.dumps(results, indent=2) + "\n",
-                            "memory.md": "\n".join(lines) + "\n",
+                            "memory.md": "\n".join(lines) + "\n" + footer,
                         },
                     )
     return results
