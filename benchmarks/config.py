@@ -129,6 +129,12 @@ class BenchConfig(ConfigBase):
         "runs on shapes only, as an H100 would allocate; see benchmarks/memory.py) and write memory.md. Needs "
         "no GPU; dtype default bf16.",
     )
+    fsdp_world_size: int = field_(
+        0,
+        "With --memory_only: count the trained network sharded with the kit's FSDP2 (--fsdp: accelerate's "
+        "fully_shard per block, bf16 compute, fp32 master weights and gradient reduction) over this many ranks, "
+        "as rank 0 of a fake process group in this one process (0: not sharded). Frozen parts stay whole.",
+    )
     # ---- sweep ----
     sweep: bool = field_(
         False,
@@ -176,12 +182,21 @@ class BenchConfig(ConfigBase):
             )
         if self.resolution is not None and self.resolution <= 0:
             raise UserError(f"--resolution must be > 0 (got {self.resolution}).")
+        self._check_fsdp()
         if self.cpu_threads < 0:
             raise UserError(f"--cpu_threads must be >= 0 (got {self.cpu_threads}; 0 keeps torch's default).")
         if self.peak_tflops <= 0:
             raise UserError(f"--peak_tflops must be > 0 (got {self.peak_tflops}).")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: CUDA is not available here; use --device cpu.")
+
+    def _check_fsdp(self) -> None:
+        if self.fsdp_world_size < 0 or self.fsdp_world_size == 1:
+            raise UserError(
+                f"--fsdp_world_size must be 0 (not sharded) or >= 2 (got {self.fsdp_world_size})."
+            )
+        if self.fsdp_world_size and not self.memory_only:
+            raise UserError("--fsdp_world_size counts memory only: add --memory_only.")
 
     @property
     def cases(self) -> list[str]:

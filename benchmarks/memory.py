@@ -27,16 +27,33 @@ How the count is made:
   True, 0.5 or 0. The benchmarked code only checks such values (finite, in range) or logs them, so the branches
   taken are the normal ones.
 
+Sharded (`--fsdp_world_size N`, the kit's `--fsdp`): the count is rank 0's. The process joins torch's fake process
+group as rank 0 of N (`fake_ranks`: collectives return at once and write nothing, their output buffers are allocated
+as on a GPU), the Bench's accelerator holds the kit's FSDP state (`refl_ddpo.sharding.hold_fsdp_state` with
+`fsdp_plugin`), and the case's own `prepare` shards the trained network with accelerate's FSDP2 code (`fully_shard`
+per `_no_split_modules` block and the root, trained tensors upcast to fp32 master weights, bf16 compute, fp32
+gradient reduction). So the count holds 1/N of every parameter (rank 0's padded chunk), of the gradients and AdamW
+states, each block's bf16 parameters while FSDP2 has them all-gathered (its storage resized in place: `PeakMemory`
+follows `UntypedStorage.resize_`), the unsharded gradients and their fp32 copies before the reduce-scatter, and
+the activations. Frozen parts (text encoders, VAE, reward) are whole, as the kit keeps them. Two fixes for the meta
+device only: accelerate maps the optimizer's parameters to the sharded ones by `data_ptr`, 0 for every meta tensor,
+so `MetaBench.prepare` points them at the sharded parameters in order (what the mapping gives on a GPU), and a
+`gc.collect()` after setup drops the unsharded parameters fully_shard replaced (reference cycles the collector frees
+on its own on a GPU run). accelerate does not wrap a sharded network's forward in autocast (FSDP2's policy casts the
+parameters instead), so the network's norms and softmax run in bf16 there, as on a GPU under `--fsdp`.
+
 Not counted: memory a kernel allocates for itself inside one op (cuBLAS / cuBLASLt workspaces, cuDNN convolution
 workspaces, flash attention's fp32 gradient accumulator, the padding of a mask for memory-efficient attention),
 the caching allocator's fragmentation and reserved-but-free blocks (`max_memory_reserved`), the CUDA context and
-kernels (outside what PyTorch reports), and NCCL buffers.
+kernels (outside what PyTorch reports), and NCCL buffers (sharded: NCCL's own staging memory for the all-gathers
+and reduce-scatters).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import tempfile
@@ -47,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -140,26 +157,59 @@ class PeakMemory(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._blocks = WeakIdKeyDictionary()  # storage -> its block size
+        self._blocks = (
+            WeakIdKeyDictionary()
+        )  # storage -> [its block size] (a storage resized in place changes it)
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def _free(self, block: list[int]) -> None:
+        self.live -= block[0]
+
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
 
     def _track(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor (FSDP2's shards): the bytes are its local tensor's
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner)
+            return
         if t.device.type != DEVICE:
             return
         storage = t.untyped_storage()
         if storage in self._blocks:
             return
-        nbytes = round_block(storage.nbytes())
-        self._blocks[storage] = nbytes
-        if nbytes:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(storage, self._free, nbytes)
+        block = [round_block(storage.nbytes())]
+        self._blocks[storage] = block
+        self._add(block[0])
+        weakref.finalize(storage, self._free, block)
+
+    def _resized(self, storage, nbytes: int) -> None:
+        """A device storage resized in place (FSDP2 frees and refills its all-gathered parameters so)."""
+        block = self._blocks.get(storage)
+        if block is not None:
+            self._add(round_block(nbytes) - block[0])
+            block[0] = round_block(nbytes)
+
+    def __enter__(self):
+        resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, nbytes):
+            out = resize(storage, nbytes)
+            self._resized(storage, nbytes)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -344,6 +394,53 @@ def cuda_on_meta():
                 s["device"] = d if d is not None else torch.device("cpu")
 
 
+@contextlib.contextmanager
+def fake_ranks(world_size: int):
+    """torch.distributed over `world_size` ranks in this one process, as rank 0 of torch's fake process group
+    (collectives complete at once and write nothing: the count needs only their output buffers' shapes), with FSDP2
+    placing its shards, all-gather and reduce-scatter buffers on the meta device: FSDP2 takes its device from the
+    mesh (a CPU mesh here, there being no GPU), and refuses to run parameters left on meta (the count has no
+    values to materialise)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import (
+        _fsdp_collectives,
+        _fsdp_init,
+        _fsdp_param_group,
+        _fsdp_state,
+        _fully_shard,
+    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    elif dist.get_world_size() != world_size:
+        raise RuntimeError(f"a process group of {dist.get_world_size()} ranks is running, not {world_size}")
+    handles = [_fsdp_collectives, _fsdp_init, _fsdp_param_group, _fsdp_state]
+    saved = (
+        _fully_shard._get_device_from_mesh,
+        [m._get_device_handle for m in handles],
+        _fsdp_param_group.FSDPParamGroup._validate_no_meta_params,
+    )
+
+    def device_handle(device_type: str):  # streams and events: torch.cpu's no-ops for the meta device
+        return torch.cpu if device_type == DEVICE else saved[1][0](device_type)
+
+    _fully_shard._get_device_from_mesh = lambda mesh: torch.device(DEVICE)
+    for m in handles:
+        m._get_device_handle = device_handle
+    _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        yield
+    finally:
+        _fully_shard._get_device_from_mesh = saved[0]
+        for m, h in zip(handles, saved[1], strict=True):
+            m._get_device_handle = h
+        _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = saved[2]
+        if made:
+            dist.destroy_process_group()
+
+
 class MetaBench(Bench):
     """A Bench whose models live on the meta device, with an accelerator that autocasts as on `cuda` and places
     nothing (build it inside `cuda_on_meta()`)."""
@@ -358,14 +455,32 @@ class MetaBench(Bench):
                 shared["device"] = torch.device("cuda", 0)
         self.accelerator.device_placement = False
 
+    def prepare(self, unet, params, config, gradient_accumulation_steps: int = 1):
+        """Bench.prepare; sharded, the optimizer's parameters set to the sharded ones: accelerate maps them by
+        `data_ptr`, which is 0 for every meta tensor (all would map to one parameter); on a GPU its mapping gives
+        these, in this order."""
+        from refl_ddpo.sharding import _inner, is_sharded
+
+        unet, optimizer = super().prepare(unet, params, config, gradient_accumulation_steps)
+        if is_sharded(self.accelerator):
+            (group,) = _inner(optimizer).param_groups  # make_optimizer's one group
+            group["params"] = list(params)
+        return unet, optimizer
+
 
 def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     """Peak device bytes of one case, counted as the timed runs measure it: setup, one warm-up run, reset of the
     peak, one run."""
     t0 = time.perf_counter()
-    with cuda_on_meta(), PeakMemory() as mem:
+    ranks = cfg.fsdp_world_size
+    with fake_ranks(ranks) if ranks else contextlib.nullcontext(), cuda_on_meta(), PeakMemory() as mem:
         b = MetaBench(cfg, configs, workdir)
+        if ranks:  # the kit's --fsdp: accelerate's prepare shards the trained network with fully_shard
+            from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state
+
+            hold_fsdp_state(b.accelerator, fsdp_plugin(b.accelerator.mixed_precision))
         run, _ = case.setup(b)
+        gc.collect()  # the unsharded parameters that fully_shard replaced sit in reference cycles
         setup_live, setup_peak = mem.live, mem.peak
         run()
         steady = mem.live
@@ -425,6 +540,15 @@ def memory_table(results: dict) -> str:
             "before the run: weights and optimizer states."
         ),
     ]
+    ranks = meta.get("fsdp_world_size")
+    if ranks:
+        notes.append(
+            f"Per rank, rank 0 of {ranks}: the trained network sharded with the kit's FSDP2 (--fsdp: fully_shard per "
+            "block and the root through accelerate's prepare, fp32 master weights, bf16 compute, fp32 gradient "
+            "reduction), run in one process over torch's fake process group; its shards, gradients and optimizer "
+            "states are 1/N each, and the blocks FSDP2 all-gathers for forward and backward are counted as it "
+            "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank."
+        )
     if offload:
         notes.append(
             "Text encoders off the device (derived, not counted): the peak less the text encoders' weights, what a "
@@ -462,6 +586,7 @@ def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
             "dtype": cfg.dtype,
             "resolution": cfg.resolution or (32 if cfg.tiny else 512),
             "gradient_checkpointing": cfg.gradient_checkpointing,
+            "fsdp_world_size": cfg.fsdp_world_size,
             "options": dataclasses.asdict(cfg),
         },
         "cases": [],

@@ -428,7 +428,9 @@ class Bench:
         return unet, make_trainable(unet, trainable_spec(config))
 
     def prepare(self, unet, params, config, gradient_accumulation_steps: int = 1):
-        """The trainers' `make_optimizer` + `accelerator.prepare(unet, optimizer)`."""
+        """The trainers' `make_optimizer` + `accelerator.prepare(unet, optimizer)`. Sharded (FSDP, the memory count's
+        --fsdp_world_size): `params` becomes the sharded parameters in place, as the trainers' `run.params`."""
+        from refl_ddpo.sharding import is_sharded, trainable_params
         from refl_ddpo.training import make_optimizer
 
         config = config or self.common
@@ -441,7 +443,12 @@ class Bench:
             eps=config.adam_epsilon,
             use_8bit_adam=config.use_8bit_adam,
         )
-        return self.accelerator.prepare(unet, optimizer)
+        unet, optimizer = self.accelerator.prepare(unet, optimizer)
+        if is_sharded(
+            self.accelerator
+        ):  # fully_shard replaced the parameters (the optimizer holds the new ones)
+            params[:] = trainable_params(unet)
+        return unet, optimizer
 
     def finish(self, unet=None, vae=None, reward=None) -> None:
         """VAE / reward gradient checkpointing and torch.compile, last (after LoRA and prepare)."""

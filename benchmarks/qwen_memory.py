@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -72,8 +73,9 @@ def parameter_counts() -> dict[str, int]:
         }
 
 
-def _family(b, configs: dict[str, dict], text_encoder_on_device: bool):
-    """The QwenImage family around a LoRA transformer (the trainers' make_trainable) and its trained parameters."""
+def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str = "lora"):
+    """The QwenImage family around a LoRA (`mode` "lora") or wholly trained ("full", fp32) transformer (the trainers'
+    make_trainable) and its trained parameters."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from refl_ddpo.families.qwen_image import QwenImage
@@ -103,7 +105,7 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool):
             model = _construct(name, configs[name])
         parts[name] = model.requires_grad_(False).eval().to(dtype=b.dtype)
     config = dataclasses.replace(
-        b.common, use_lora=True, lora_target_modules=list(QwenImage.lora_target_modules)
+        b.common, use_lora=mode == "lora", lora_target_modules=list(QwenImage.lora_target_modules)
     )
     params = make_trainable(parts["transformer"], trainable_spec(config))
     tokenizer = qwen_tokenizer()
@@ -124,13 +126,24 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool):
     return family, params, cond, (prompts, metadata)
 
 
-def refl_case(configs: dict[str, dict], text_encoder_on_device: bool) -> Case:
-    """One ReFL optimizer step on Qwen-Image (see the module doc)."""
+def _text_encoder_bytes(family) -> int:
+    """Device bytes of the text encoder's weights (each tensor a 512-byte block)."""
+    from benchmarks.memory import round_block
+
+    encoder = family.pipe.text_encoder
+    return sum(round_block(t.numel() * t.element_size()) for t in (*encoder.parameters(), *encoder.buffers()))
+
+
+def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str = "lora") -> Case:
+    """One ReFL optimizer step on Qwen-Image (see the module doc); `mode`: "lora" or "full" (the whole
+    transformer trained)."""
 
     def setup(b):
         from refl_ddpo.backprop import refl_step
 
-        family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device)
+        family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device, mode)
+        if text_encoder_on_device:
+            b.text_encoder_bytes = _text_encoder_bytes(family)
         scheduler = family.rollout_scheduler("ddpm")
         reward_model = b.build("reward")
         base = family.network
@@ -168,9 +181,9 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool) -> Case:
         return run, {"unet": base, "vae": family.vae, "reward": reward_model}
 
     where = "on the device" if text_encoder_on_device else "offloaded"
-    name = f"qwen_image_refl lora b1, text encoder {where}"
+    name = f"qwen_image_refl {mode} b1, text encoder {where}"
     settings = {
-        "mode": "lora",
+        "mode": mode,
         "batch": 1,
         "model": "qwen-image",
         "text_encoder_on_device": text_encoder_on_device,
@@ -184,43 +197,86 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--resolution", type=int, default=1024)
     parser.add_argument("--refl_steps", type=int, default=40)
     parser.add_argument("--refl_k", type=int, default=35)
+    parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora"])
+    parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
+    parser.add_argument(
+        "--text_encoder", choices=("both", "on", "off"), default="both", help="on the device or not"
+    )
+    parser.add_argument(
+        "--fsdp_world_size",
+        type=int,
+        default=0,
+        help="count rank 0 of this many with the transformer sharded by the kit's FSDP2 (bench.py's flag)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = qwen_configs()
-    results = {"parameters": parameter_counts(), "resolution": args.resolution, "dtype": "bf16", "cases": []}
+    results = {
+        "command": " ".join(
+            ["python -m benchmarks.qwen_memory", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "parameters": parameter_counts(),
+        "resolution": args.resolution,
+        "dtype": "bf16",
+        "fsdp_world_size": args.fsdp_world_size,
+        "cases": [],
+    }
     lines = [
-        "| case | gradient checkpointing | weights (GiB) | peak (GiB, computed) | counted in |",
-        "|---|---|---|---|---|",
+        (
+            "| case | gradient checkpointing | weights (GiB) | peak (GiB, computed) | peak, text encoder off the "
+            "device (GiB, derived) | counted in |"
+        ),
+        "|---|---|---|---|---|---|",
     ]
+    notes = [
+        (
+            f"Computed on the meta device, not measured: Qwen-Image architecture, bf16, {args.resolution} px, a "
+            f"ReFL rollout of {args.refl_steps} steps with grad at step {args.refl_k}. Weights: what is live before "
+            "the counted run (weights and AdamW states). Text encoder off the device (derived, not counted): the "
+            "peak less its weights (it runs before the rollout, whose backward holds the peak)."
+        )
+    ]
+    if args.fsdp_world_size:
+        notes.append(
+            f"Per rank, rank 0 of {args.fsdp_world_size}: the transformer sharded with the kit's FSDP2 (--fsdp; see "
+            "benchmarks/memory.py); the text encoder, VAE and ImageReward whole on every rank."
+        )
+    footer = "\n" + "".join(f"- {n}\n" for n in notes)
+    checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
+    on_device = {"both": (True, False), "on": (True,), "off": (False,)}[args.text_encoder]
     with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
         sd_configs = model_configs(False, Path(workdir))  # ImageReward's config; the SD ones are not used
-        for checkpointing in (False, True):
+        for gc in checkpointing:
             cfg = BenchConfig(
                 dtype="bf16",
                 device="cpu",
                 resolution=args.resolution,
                 refl_steps=args.refl_steps,
                 refl_k=args.refl_k,
-                gradient_checkpointing=checkpointing,
+                gradient_checkpointing=gc,
+                memory_only=True,
+                fsdp_world_size=args.fsdp_world_size,
             )
-            for on_device in (True, False):
-                r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs, on_device))
-                r["gradient_checkpointing"] = checkpointing
-                results["cases"].append(r)
-                gc = "on" if checkpointing else "off"
-                lines.append(
-                    f"| {r['name']} | {gc} | {r['steady_bytes'] / GIB:.2f} | {r['peak_bytes'] / GIB:.2f} | "
-                    f"{r['seconds']:.0f} s |"
-                )
-                print(lines[-1], flush=True)
-                write_files(
-                    out,
-                    {
-                        "memory.json": json.dumps(results, indent=2) + "\n",
-                        "memory.md": "\n".join(lines) + "\n",
-                    },
-                )
+            for mode in args.modes:
+                for te in on_device:
+                    r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs, te, mode))
+                    r["gradient_checkpointing"] = gc
+                    results["cases"].append(r)
+                    off = r.get("peak_text_encoders_offloaded_bytes")
+                    lines.append(
+                        f"| {r['name']} | {'on' if gc else 'off'} | {r['steady_bytes'] / GIB:.2f} | "
+                        f"{r['peak_bytes'] / GIB:.2f} | {'-' if off is None else f'{off / GIB:.2f}'} | "
+                        f"{r['seconds']:.0f} s |"
+                    )
+                    print(lines[-1], flush=True)
+                    write_files(
+                        out,
+                        {
+                            "memory.json": json.dumps(results, indent=2) + "\n",
+                            "memory.md": "\n".join(lines) + "\n" + footer,
+                        },
+                    )
     return results
 
 
