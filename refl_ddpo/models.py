@@ -157,12 +157,18 @@ def _components_off(name: str, cls_name: str, drop_t5: bool) -> dict:
 
 
 def load_pipeline(
-    name: str, dtype=None, device="cpu", pipeline_class: str | None = None, drop_t5: bool = False
+    name: str,
+    dtype=None,
+    device="cpu",
+    pipeline_class: str | None = None,
+    drop_t5: bool = False,
+    on_host: tuple[str, ...] = (),
 ):
     """The pipeline of `name` (its model_index.json class unless given), no safety checker, every module frozen and
     in eval mode, in `dtype` (float32 by default) on `device`. `drop_t5`: an SD3 folder loads without its T5 text
     encoder (much less memory; a folder without one loads so anyway); SD 1.x / SDXL have none to drop, and FLUX.1
-    needs its T5 (families.load_family refuses drop_t5 for it before loading)."""
+    needs its T5 (families.load_family refuses drop_t5 for it before loading). `on_host`: components (pipeline
+    attribute names) left on the CPU, where from_pretrained loads them; the others go to `device`."""
     import diffusers
     import torch
 
@@ -180,4 +186,9 @@ def load_pipeline(
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
             module.eval()
-    return pipe.to(device)
+    if not on_host:
+        return pipe.to(device)
+    for part, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module) and part not in on_host:
+            module.to(device)
+    return pipe

@@ -6,6 +6,11 @@ and the root in torch's `fully_shard`. The trained weights are the fp32 master c
 the blocks compute in that dtype and reduce gradients in fp32 (`MixedPrecisionPolicy`). The frozen parts (text
 encoders, VAE, rewards) stay whole on every process.
 
+Every process loads the network into host memory and keeps it there through LoRA and the fp32 upcast
+(`training.load_trainable_family`); `prepare`'s fully_shard moves it to the device block by block and keeps only the
+process' shard there, so no GPU holds the whole network (accelerate's `cpu_ram_efficient_loading`, rank 0 loading
+and broadcasting, is not used: each process reads the weights itself).
+
 accelerate makes the FSDP state only on GPUs; on the CPU (the tests, over gloo) `hold_fsdp_state` sets the same
 state after the fact, so that the loops, `prepare`, the gradient clipping and the accumulation run accelerate's FSDP2
 code either way.
@@ -44,7 +49,7 @@ def fsdp_plugin(mixed_precision: str, cpu_offload: bool = False):
         cpu_offload=cpu_offload,
         mixed_precision_policy=policy,
         state_dict_type="FULL_STATE_DICT",
-        cpu_ram_efficient_loading=False,  # every process has loaded the model: nothing to broadcast
+        cpu_ram_efficient_loading=False,  # every process has loaded the model (on the host): nothing to broadcast
         activation_checkpointing=False,  # --gradient_checkpointing: the network's own, which composes with FSDP2
     )
 

@@ -204,11 +204,18 @@ def load_trainable_family(
 ):
     """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
     accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
-    them unset), and accelerate's save/load hooks registered for the network."""
+    them unset), and accelerate's save/load hooks registered for the network.
+
+    Sharded (--fsdp), the network stays on the CPU through loading, LoRA and the fp32 upcast of a full fine-tune:
+    `accelerator.prepare` (FSDP2's fully_shard, block by block) moves it to the device and keeps only this process'
+    shard there, so no GPU ever holds the whole network; the frozen parts go to the device as without sharding."""
     from refl_ddpo.families import load_family
+    from refl_ddpo.sharding import is_sharded
 
     dtype = weight_dtype(accelerator)
-    family = load_family(pretrained_model, dtype, accelerator.device, drop_t5=drop_t5)
+    family = load_family(
+        pretrained_model, dtype, accelerator.device, drop_t5=drop_t5, network_on_host=is_sharded(accelerator)
+    )
     targets = list(trainable.target_modules or family.lora_target_modules)
     params = make_trainable(family.network, trainable, targets)
     register_network_hooks(accelerator, family.network)

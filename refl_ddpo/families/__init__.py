@@ -39,9 +39,12 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> ModelFamily:
+def load_family(
+    name: str, dtype=None, device="cpu", drop_t5: bool = False, network_on_host: bool = False
+) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
-    its T5 text encoder; refused for FLUX.1, which needs its T5)."""
+    its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
+    the CPU (--fsdp: `prepare` puts only its shards on `device`); the other parts go to `device`."""
     from refl_ddpo.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
@@ -55,7 +58,8 @@ def load_family(name: str, dtype=None, device="cpu", drop_t5: bool = False) -> M
         raise UserError(
             f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
-    return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5))
+    on_host = (cls.network_name,) if network_on_host else ()
+    return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))
 
 
 def resolve_lora_targets(cfg):

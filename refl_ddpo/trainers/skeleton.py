@@ -236,9 +236,10 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
+    del params  # run.params holds them (dropped before a sharded prepare, below)
     algo.setup(run)
     run.optimizer = make_optimizer(
-        params,
+        run.params,
         learning_rate=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.adam_weight_decay,
@@ -246,11 +247,18 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         use_8bit_adam=cfg.use_8bit_adam,
     )
     algo.setup_optimizer(run)
-    run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
     from refl_ddpo.sharding import is_sharded, trainable_params
 
+    sharded = is_sharded(accelerator)
+    if sharded:
+        # The network is on the host (load_trainable_family). fully_shard moves each parameter whole to the device,
+        # copies this process' shard out of it and puts the sharded parameter in its place: a reference kept here
+        # would keep the whole trained tensor on the device (a full fine-tune: the whole fp32 network). accelerate
+        # swaps the optimizer's for placeholders; EMA and the old-policy copy are refused with --fsdp.
+        run.params = []
+    run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
     # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
-    if is_sharded(accelerator):
+    if sharded:
         run.params = trainable_params(run.network)
     return run, repo_id
 
