@@ -337,3 +337,63 @@ def test_the_shipped_accelerate_config_is_the_plugin_that_fsdp_builds():
     policy = plugin.mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_plugin("no").mixed_precision_policy is None
+
+
+class _MetaAccelerator:
+    """What load_trainable_family reads of an accelerator, its device `meta`: a stand-in GPU on which a premature
+    `.to(device)` of the network shows (a meta tensor keeps its shape and dtype, no data)."""
+
+    device = torch.device("meta")
+    mixed_precision = "bf16"
+
+    def __init__(self, sharded: bool):
+        from accelerate.utils import DistributedType
+
+        self.distributed_type = DistributedType.FSDP if sharded else DistributedType.MULTI_CPU
+
+    def register_save_state_pre_hook(self, hook):
+        pass
+
+    def register_load_state_pre_hook(self, hook):
+        pass
+
+
+def _devices(module: torch.nn.Module) -> set[str]:
+    return {t.device.type for t in [*module.parameters(), *module.buffers()]}
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux", "stable-diffusion"])
+@pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
+def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts_on_the_device(
+    tiny_models, model, use_lora
+):
+    """--fsdp: loading, LoRA and the fp32 upcast leave the whole network on the CPU (prepare's fully_shard puts only
+    each process' shard on the device), the frozen parts on the device; without --fsdp all of it on the device."""
+    from refl_ddpo.training import TrainableSpec, load_trainable_family
+
+    spec = TrainableSpec(
+        use_lora=use_lora,
+        rank=2,
+        alpha=2.0,
+        target_modules=None,
+        init="gaussian",
+        gradient_checkpointing=True,
+    )
+    for sharded in (True, False):
+        family, params, _ = load_trainable_family(_MetaAccelerator(sharded), str(tiny_models / model), spec)
+        network = family.network
+        frozen = {
+            name: m
+            for name, m in family.pipe.components.items()
+            if isinstance(m, torch.nn.Module) and m is not network
+        }
+        assert frozen and all(_devices(m) == {"meta"} for m in frozen.values()), {
+            n: _devices(m) for n, m in frozen.items()
+        }
+        assert _devices(network) == ({"cpu"} if sharded else {"meta"})
+        assert params and all(p.dtype == torch.float32 and p.requires_grad for p in params)
+        assert {p.device.type for p in params} == ({"cpu"} if sharded else {"meta"})
+        if sharded and use_lora:  # the frozen base stays in the weight dtype, on the host
+            assert {p.dtype for p in network.parameters() if not p.requires_grad} == {torch.bfloat16}
+        if sharded:  # the host copy holds values (a whole network): the LoRA init and the upcast ran on it
+            assert all(torch.isfinite(p).all() for p in params)
