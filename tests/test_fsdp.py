@@ -397,3 +397,66 @@ def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts
             assert {p.dtype for p in network.parameters() if not p.requires_grad} == {torch.bfloat16}
         if sharded:  # the host copy holds values (a whole network): the LoRA init and the upcast ran on it
             assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(tiny_models, tmp_path, monkeypatch):
+    """The kit's prepare step (skeleton.prepare) on a full fine-tune of tiny FLUX.1 held on the host, counted with
+    the memory bench's tools: rank 0 of 2 fake ranks, the meta device as the GPU (benchmarks.memory.fake_ranks), its
+    bytes counted (PeakMemory). fully_shard moves each block whole to the device and keeps the shard: the device
+    peak stays under the whole fp32 network, which a reference to the unsharded parameters kept through prepare
+    (run.params before skeleton.prepare let go of it) would hold there whole beside the shards."""
+    from types import SimpleNamespace
+
+    from diffusers import FluxTransformer2DModel
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    from benchmarks.memory import PeakMemory, fake_ranks, round_block
+    from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state, local
+    from refl_ddpo.trainers.skeleton import Run, prepare
+    from refl_ddpo.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
+
+    def move(params, buffers, device):
+        """FSDP2's _move_states_to_device, with swap_tensors where its `.data =` refuses CPU -> meta (as it takes
+        CPU -> CUDA): the parameter object then holds the device tensor, as on a GPU."""
+        for t in [*params, *buffers]:
+            if t.device != device:
+                with torch.no_grad():
+                    moved = t.to(device)
+                    if isinstance(t, torch.nn.Parameter):
+                        moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+                torch.utils.swap_tensors(t, moved)
+
+    monkeypatch.setattr(_fsdp_init, "_move_states_to_device", move)
+    with fake_ranks(2), PeakMemory() as mem:
+        accelerator = make_accelerator(
+            1,
+            mixed_precision="bf16",
+            report_to="none",
+            output_dir=str(tmp_path),
+            logging_dir="logs",
+            device="cpu",
+        )
+        hold_fsdp_state(accelerator, fsdp_plugin("bf16"))
+        network = FluxTransformer2DModel.from_pretrained(
+            tiny_models / "tiny-flux" / "transformer", torch_dtype=torch.bfloat16
+        ).requires_grad_(False)
+        spec = TrainableSpec(
+            use_lora=False,
+            rank=2,
+            alpha=2.0,
+            target_modules=None,
+            init="gaussian",
+            gradient_checkpointing=False,
+        )
+        params = make_trainable(network, spec)
+        whole = sum(round_block(p.numel() * 4) for p in params)  # fp32, as the device's blocks
+        optimizer = make_optimizer(params, learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
+        run = Run(None, accelerator, SimpleNamespace(network=network), params, torch.bfloat16, None)
+        run.optimizer = optimizer
+        del params, optimizer, network
+        assert mem.live == 0  # the network is on the host
+        prepare(run)
+        shards = sum(round_block(local(p).numel() * 4) for p in run.params)
+        assert {local(p).device.type for p in run.params} == {"meta"}
+        assert mem.peak < whole, (mem.peak, whole)
+        assert mem.live <= shards + 16 * 1024  # the shards (and a few buffers)

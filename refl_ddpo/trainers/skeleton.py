@@ -236,7 +236,7 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
-    del params  # run.params holds them (dropped before a sharded prepare, below)
+    del params  # run.params holds them (let go of before a sharded prepare: see `prepare`)
     algo.setup(run)
     run.optimizer = make_optimizer(
         run.params,
@@ -247,20 +247,26 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         use_8bit_adam=cfg.use_8bit_adam,
     )
     algo.setup_optimizer(run)
+    prepare(run)
+    return run, repo_id
+
+
+def prepare(run: Run) -> None:
+    """accelerate's `prepare` of the family's network and run.optimizer into run.network and run.optimizer.
+
+    Sharded (--fsdp), the network comes from the host (training.load_trainable_family): fully_shard moves each
+    parameter whole to the device, copies this process' shard out of it and puts the sharded parameter in its place.
+    A reference to the unsharded parameters kept through `prepare` would keep each one whole on the device (a full
+    fine-tune: the whole fp32 network), so run.params lets go of them first (accelerate swaps the optimizer's for
+    placeholders; EMA and the old-policy copy are refused with --fsdp) and holds the sharded ones after."""
     from refl_ddpo.sharding import is_sharded, trainable_params
 
-    sharded = is_sharded(accelerator)
+    sharded = is_sharded(run.accelerator)
     if sharded:
-        # The network is on the host (load_trainable_family). fully_shard moves each parameter whole to the device,
-        # copies this process' shard out of it and puts the sharded parameter in its place: a reference kept here
-        # would keep the whole trained tensor on the device (a full fine-tune: the whole fp32 network). accelerate
-        # swaps the optimizer's for placeholders; EMA and the old-policy copy are refused with --fsdp.
         run.params = []
-    run.network, run.optimizer = accelerator.prepare(family.network, run.optimizer)
-    # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
-    if sharded:
+    run.network, run.optimizer = run.accelerator.prepare(run.family.network, run.optimizer)
+    if sharded:  # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
         run.params = trainable_params(run.network)
-    return run, repo_id
 
 
 def start(algo: Algorithm, run: Run) -> int:
