@@ -57,6 +57,17 @@ def test_group_advantages_closed_form():
     torch.testing.assert_close(group_advantages(r, g, True, 5.0), centred / (std_all + 1e-4))
     # clipping
     assert group_advantages(r, g, False, 1.0).abs().max().item() == 1.0
+    # a std floor of 1.9 lifts group b's std (2.0) not, group a's (1.63) to 1.9; 0 is bit-equal to no floor
+    floored = group_advantages(r, g, False, 5.0, std_floor=1.9)
+    torch.testing.assert_close(floored, torch.tensor([-2 / 1.9001, -2 / 2.0001, 0.0, 2 / 2.0001, 2 / 1.9001]))
+    assert torch.equal(group_advantages(r, g, False, 5.0, std_floor=0.0), adv)
+    # a near-flat group (rewards 0.01 apart) stays small under a floor, where its own std makes it +-1
+    near = torch.tensor([0.0, 0.01])
+    assert group_advantages(near, torch.zeros(2), False, 5.0).abs().min() > 0.9
+    torch.testing.assert_close(
+        group_advantages(near, torch.zeros(2), False, 5.0, std_floor=0.1).abs().max(),
+        torch.tensor(0.005 / 0.1001),
+    )
 
 
 def test_equal_rewards_in_a_group_give_zero_advantages_and_count_as_zero_std():

@@ -94,11 +94,17 @@ GROUP_STD_EPS = 1e-4  # Flow-GRPO's: (r - mean) / (std + 1e-4)
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, global_std: bool, adv_clip_max: float
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    global_std: bool,
+    adv_clip_max: float,
+    std_floor: float = 0.0,
 ) -> torch.Tensor:
     """GRPO advantages (N,) float32 of gathered rewards (N,) and their groups (N,) int: (r - mean of r's group) /
-    (std + 1e-4), the population std of the group or, with `global_std`, of all N rewards; clipped to
-    [-adv_clip_max, adv_clip_max]. Groups need not be contiguous nor of equal size."""
+    (max(std, std_floor) + 1e-4), the population std of the group or, with `global_std`, of all N rewards; clipped
+    to [-adv_clip_max, adv_clip_max]. Groups need not be contiguous nor of equal size. The floor keeps a group whose
+    rewards nearly agree (all wrong on the main term, apart only by a small secondary one) from being scaled up to
+    +-1; 0 is Flow-GRPO's."""
     if rewards.shape != group_ids.shape:
         raise ValueError(f"{tuple(rewards.shape)} rewards but {tuple(group_ids.shape)} group ids")
     values = rewards.detach().double().cpu()
@@ -110,7 +116,7 @@ def group_advantages(
         std = values.std(unbiased=False)
     else:
         std = (torch.bincount(inverse, weights=centred**2) / count).sqrt()[inverse]
-    return (centred / (std + GROUP_STD_EPS)).clamp(-adv_clip_max, adv_clip_max).float()
+    return (centred / (std.clamp_min(std_floor) + GROUP_STD_EPS)).clamp(-adv_clip_max, adv_clip_max).float()
 
 
 def zero_std_group_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:

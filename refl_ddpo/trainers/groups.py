@@ -32,6 +32,11 @@ class GroupConfig(EpochConfig):
         "Divide by the std of all the epoch's rewards (gathered over processes; Flow-GRPO's default) instead "
         "of the group's.",
     )
+    std_floor: float = field_(
+        0.0,
+        "Divide by max(std, this): a group whose rewards nearly agree (all wrong on the main reward, apart only "
+        "by a small secondary one) is not scaled up to +-1. 0 is Flow-GRPO's; same units as the reward.",
+    )
     same_noise_per_group: bool = field_(
         False,
         "One shared initial noise x_T per group (DanceGRPO): the group's rewards then differ only by the "
@@ -45,6 +50,8 @@ class GroupConfig(EpochConfig):
                 f"--group_size must be >= 2 (got {self.group_size}): a group of one has advantage 0 and "
                 "gives no gradient; Flow-GRPO uses 24 on 8 GPUs, 8 is a start on one."
             )
+        if not self.std_floor >= 0:
+            raise UserError(f"--std_floor must be >= 0 (got {self.std_floor}); 0 divides by the std alone.")
         # WORLD_SIZE: set by launch.sh's check and by accelerate in every process (train() checks again)
         check_group_arithmetic(self, int(os.environ.get("WORLD_SIZE", "1")))
 

@@ -83,7 +83,9 @@ class GRPO(DDPO):
         reward value and the SDE window's start, to log."""
         accelerator, cfg = run.accelerator, self.cfg
         groups = accelerator.gather(plan.groups.to(accelerator.device)).cpu()  # (P * N,)
-        advantages = group_advantages(rewards[finite], groups[finite], cfg.global_std, cfg.train_adv_clip_max)
+        advantages = group_advantages(
+            rewards[finite], groups[finite], cfg.global_std, cfg.train_adv_clip_max, cfg.std_floor
+        )
         stats = {f"{self.name}/zero_std_groups": zero_std_group_fraction(rewards[finite], groups[finite])}
         if plan.window is not None:
             stats[f"{self.name}/sde_window_start"] = plan.window[0]

@@ -185,7 +185,9 @@ class ForwardProcess(EpochAlgorithm):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         accelerator, cfg = run.accelerator, self.cfg
         groups = accelerator.gather(plan.groups.to(accelerator.device)).cpu()  # (P * N,)
-        advantages = group_advantages(rewards[finite], groups[finite], cfg.global_std, cfg.train_adv_clip_max)
+        advantages = group_advantages(
+            rewards[finite], groups[finite], cfg.global_std, cfg.train_adv_clip_max, cfg.std_floor
+        )
         return advantages, {
             f"{self.name}/zero_std_groups": zero_std_group_fraction(rewards[finite], groups[finite])
         }
