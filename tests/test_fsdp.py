@@ -263,6 +263,31 @@ def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weight
     )
 
 
+def test_killed_full_finetune_with_sharded_checkpoints_resumes_to_the_gathered_runs_weights(
+    runs, tiny_models, tmp_path
+):
+    """A full fine-tune under FSDP with --fsdp_checkpoint sharded: checkpoint-2 holds the DCP shards, no unet/;
+    killed (-9) after it and resumed, the final unet/ (a diffusers folder) equals the gathered-checkpoint run's bit
+    for bit."""
+    from diffusers import SD3Transformer2DModel
+
+    reference, _ = runs("full-fsdp")
+    out = tmp_path / "killed"
+    flags = _refl_flags(tiny_models, out, "--fsdp", *FULL, "--fsdp_checkpoint", "sharded")
+    _kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
+    assert not (out / FULL_UNET_DIR).exists(), "killed before the end"
+    assert (out / "checkpoint-2" / SHARDS_DIR / ".metadata").is_file()
+    assert not (out / "checkpoint-2" / FULL_UNET_DIR).exists()
+    _run("train_refl_lora.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    resumed, uninterrupted = (
+        load_file(out / FULL_UNET_DIR / WEIGHTS),
+        load_file(reference / FULL_UNET_DIR / WEIGHTS),
+    )
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    SD3Transformer2DModel.from_pretrained(out / FULL_UNET_DIR)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
