@@ -3,8 +3,8 @@
 Sharding changes where the weights live, not the arithmetic: two processes with --fsdp train the weights of the same
 two processes without it (DDP: each holds the whole network, the gradients all-reduced) to 1e-5 (ReFL and GRPO on
 tiny SD3, and ReFL on tiny FLUX.1; LoRA and full fine-tune); a run killed with -9 and resumed under FSDP equals the
-uninterrupted one; two launchers on one machine as machines 0 and 1 train one run; the final weights are the
-diffusers files a stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise,
+uninterrupted one, with gathered checkpoints or sharded ones (--fsdp_checkpoint sharded: DCP shards); two launchers
+on one machine as machines 0 and 1 train one run; the final weights are the diffusers files a stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise,
 seeded by its rank, so one process with twice the batch sees other samples.)"""
 
 import json
