@@ -21,7 +21,7 @@ from helpers import REPO, assert_lora_changes_stock_images, run_script, script_e
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import FULL_UNET_DIR, LORA_WEIGHTS_NAME
-from refl_ddpo.sharding import SHARDS_DIR
+from refl_ddpo.sharding import SHARDS_DIR, peft_keys_to_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -222,10 +222,18 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(runs, tiny_models,
     )
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
 def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathered_runs(runs):
     """--fsdp_checkpoint sharded: checkpoint-N holds each process' DCP shards (listed in checkpoint.json), no gathered
-    weights or optimizer; rotation keeps the newest two; the final LoRA is the gathered-checkpoint run's, bit for bit,
-    in the diffusers format."""
+    weights or optimizer; read whole in one process (DCP reshards), they are the gathered run's checkpoint-2 LoRA bit
+    for bit; resuming with another process count is one line (as for every checkpoint); the final LoRA is the
+    gathered-checkpoint run's, bit for bit, in the diffusers format."""
+    import torch.distributed.checkpoint as dcp
+
+    from refl_ddpo.errors import UserError
+    from refl_ddpo.resume_fit import check_resume_fits
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
     (gathered, _), (out, _) = runs("refl-fsdp"), runs("refl-fsdp-shards")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     checkpoint = out / "checkpoint-2"
@@ -235,6 +243,18 @@ def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathe
     assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed.keys()
     assert not (checkpoint / LORA_WEIGHTS_NAME).exists() and not (checkpoint / FULL_UNET_DIR).exists()
     assert not list(checkpoint.glob("optimizer*")) and not list(checkpoint.glob("*.bin"))
+    saved = dcp.FileSystemReader(checkpoint / SHARDS_DIR).read_metadata().state_dict_metadata
+    whole = {k: torch.empty(v.size) for k, v in saved.items() if k.startswith("model.")}
+    dcp.load(whole, checkpoint_id=checkpoint / SHARDS_DIR, no_dist=True)
+    lora = peft_keys_to_model(_lora(gathered / "checkpoint-2"))
+    assert whole.keys() == {"model." + k.removeprefix("transformer.") for k in lora}
+    assert all(torch.equal(whole["model." + k.removeprefix("transformer.")], v) for k, v in lora.items())
+    record = json.loads((checkpoint / "checkpoint.json").read_text())
+    cfg = ReFLConfig(**json.loads((out / "config.json").read_text()))  # the run's, resolved
+    with pytest.raises(
+        UserError, match=r"written by 2 process\(es\), this run has 1; resume it with NUM_PROCESSES=2"
+    ):
+        check_resume_fits(checkpoint, record, cfg, record["trainer"], "max_train_steps", 1)
     final, reference = _lora(out), _lora(gathered)
     assert final.keys() == reference.keys()
     assert all(torch.equal(final[k], reference[k]) for k in final)
