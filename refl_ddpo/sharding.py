@@ -34,9 +34,8 @@ import torch
 
 OPTIMIZER_FILE = "optimizer_fsdp.safetensors"  # the gathered optimizer state (tensors)
 OPTIMIZER_GROUPS = "optimizer_fsdp.json"  # its param_groups and the names of the parameters in order
-SHARDS_DIR = (
-    "fsdp_shards"  # --fsdp_checkpoint sharded: DCP's files (.metadata, one __<rank>_0.distcp per process)
-)
+# --fsdp_checkpoint sharded: DCP's files in checkpoint-N (.metadata, one __<rank>_0.distcp per process)
+SHARDS_DIR = "fsdp_shards"
 
 
 def fsdp_plugin(mixed_precision: str, cpu_offload: bool = False):
