@@ -86,10 +86,12 @@ def save_checkpoint(
     *,
     settings: dict,
     total_limit: int | None = None,
+    shards: bool = False,
 ) -> Path:
     """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
     checkpoint.json last (refl_ddpo.runs: the run, the `settings` a resume must match (resume_fit.settings), every
-    file's size).
+    file's size). Under FSDP, `shards` (--fsdp_checkpoint sharded): the network and optimizer as each process' shards
+    (DCP) instead of gathered.
 
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
     With a `total_limit` (--checkpoints_total_limit) the oldest checkpoints of this run only are then deleted.
@@ -105,7 +107,7 @@ def save_checkpoint(
     sharded = is_sharded(accelerator)
     try:
         if sharded:
-            _save_sharded_network(accelerator, tmp)
+            _save_sharded_network(accelerator, tmp, shards)
         with _without_network(accelerator, sharded):
             accelerator.save_state(str(tmp))
     except UserError:  # non-finite weights (the save hook): leave no temporary folder behind
@@ -136,6 +138,7 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     import pickle
 
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from refl_ddpo.sharding import is_sharded
 
@@ -147,7 +150,15 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
             _load_sharded_network(accelerator, path)
         counters = json.loads((path / TRAIN_STATE_JSON).read_text())
         tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
-    except (OSError, EOFError, ValueError, RuntimeError, KeyError, pickle.UnpicklingError) as e:
+    except (
+        OSError,
+        EOFError,
+        ValueError,
+        RuntimeError,
+        KeyError,
+        pickle.UnpicklingError,
+        CheckpointException,
+    ) as e:
         first = " ".join(str(e).split())[:200] or type(e).__name__
         raise UserError(
             f"--resume_from_checkpoint {path} could not be loaded ({type(e).__name__}: {first}); resume another "
@@ -156,7 +167,7 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     return counters, tensors
 
 
-# ---- under FSDP (--fsdp): the network and its optimizer gathered, written and read back by us ----
+# ---- under FSDP (--fsdp): the network and its optimizer gathered (or as shards), written and read back by us ----
 
 
 @contextmanager
@@ -184,38 +195,52 @@ def _sharded_parts(accelerator):
     return accelerator._models[0], accelerator._optimizers[0]
 
 
-def _save_sharded_network(accelerator, folder: Path) -> None:
+def _save_sharded_network(accelerator, folder: Path, shards: bool) -> None:
     """The trained weights gathered from their shards (LoRA in diffusers format, or the full network's folder) and
-    the optimizer's state (safetensors + JSON) in `folder`; every process takes part, the main one writes."""
-    from refl_ddpo.sharding import gathered_state, save_optimizer
+    the optimizer's state (safetensors + JSON) in `folder`; every process takes part, the main one writes. With
+    `shards`: every process writes its own shards of both (sharding.save_shards), nothing gathered."""
+    from refl_ddpo.sharding import gathered_state, save_optimizer, save_shards
 
     network, optimizer = _sharded_parts(accelerator)
     check_finite_weights(network, f"not saving {folder.name.lstrip('.').removesuffix('.tmp')}")
-    state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
-    if accelerator.is_main_process:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_lora(network, folder, state=state)
-    save_optimizer(network, optimizer, folder, accelerator.is_main_process)
+    if shards:
+        save_shards(network, optimizer, folder)
+    else:
+        state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
+        if accelerator.is_main_process:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_lora(network, folder, state=state)
+        save_optimizer(network, optimizer, folder, accelerator.is_main_process)
     accelerator.wait_for_everyone()
 
 
 def _load_sharded_network(accelerator, folder: Path) -> None:
-    """_save_sharded_network's files back into every process' shards."""
+    """_save_sharded_network's files back into every process' shards: the form the checkpoint holds (DCP shards or
+    gathered files), whatever this run's --fsdp_checkpoint."""
     from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import load_file
 
     from refl_ddpo.lora import read_lora_state
-    from refl_ddpo.sharding import load_full_state, load_optimizer, peft_keys_to_model
+    from refl_ddpo.sharding import (
+        SHARDS_DIR,
+        load_full_state,
+        load_optimizer,
+        load_shards,
+        peft_keys_to_model,
+    )
 
     network, optimizer = _sharded_parts(accelerator)
-    if getattr(network, "peft_config", None):
-        state = peft_keys_to_model(read_lora_state(network, folder))
+    if (folder / SHARDS_DIR).is_dir():  # written with --fsdp_checkpoint sharded
+        load_shards(network, optimizer, folder)
     else:
-        state = load_file(str(folder / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME))
-    load_full_state(network, state)
+        if getattr(network, "peft_config", None):
+            state = peft_keys_to_model(read_lora_state(network, folder))
+        else:
+            state = load_file(str(folder / FULL_UNET_DIR / SAFETENSORS_WEIGHTS_NAME))
+        load_full_state(network, state)
+        load_optimizer(network, optimizer, folder)
     check_finite_weights(
         network,
         f"not resuming from {folder}",
         "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
     )
-    load_optimizer(network, optimizer, folder)

@@ -239,7 +239,16 @@ class CommonConfig(ConfigBase):
         False,
         "Shard the trained network per block over the processes with FSDP2 (accelerate's FSDP plugin): fp32 master "
         "weights, --mixed_precision compute, gradients reduced in fp32; text encoders, VAE and rewards stay whole. "
-        "Checkpoints and final weights are written gathered, as without it. See docs/multi_gpu.md.",
+        "Final weights are written gathered, as without it; checkpoints as --fsdp_checkpoint says. See "
+        "docs/multi_gpu.md.",
+    )
+    fsdp_checkpoint: Literal["gathered", "sharded"] = field_(
+        "gathered",
+        "With --fsdp, how checkpoint-N holds the trained weights and their optimizer state: 'gathered' (the main "
+        "process writes them whole: the LoRA or unet/ in diffusers format, the optimizer as safetensors) or "
+        "'sharded' (each process writes its own shards with torch.distributed.checkpoint, in DCP's own format "
+        "under checkpoint-N/fsdp_shards/: no gathering, for networks too big for one process' memory; resume "
+        "with the same process count). The final weights are written gathered either way.",
     )
     fsdp_cpu_offload: bool = field_(
         False,
@@ -337,6 +346,10 @@ class CommonConfig(ConfigBase):
         check_trackers(self.report_to)
         if self.fsdp_cpu_offload and not self.fsdp:
             raise UserError("--fsdp_cpu_offload offloads FSDP's shards: add --fsdp (or drop it).")
+        if self.fsdp_checkpoint != "gathered" and not self.fsdp:
+            raise UserError(
+                f"--fsdp_checkpoint {self.fsdp_checkpoint} writes FSDP's shards: add --fsdp (or drop it)."
+            )
         if self.hub_model_id is not None and not self.push_to_hub:
             raise UserError("--hub_model_id names the repo of --push_to_hub: add --push_to_hub (or drop it).")
 

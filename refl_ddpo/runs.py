@@ -4,7 +4,9 @@ A training output folder belongs to one run:
 
     output_dir/run.json                  {"run_id", "trainer"}, written when the run starts (by one process)
     output_dir/checkpoint-N/             accelerate state (LoRA or unet/, optimizer, random states) and
-                                         train_state.json / train_state.safetensors (the trainer's counters)
+                                         train_state.json / train_state.safetensors (the trainer's counters);
+                                         with --fsdp_checkpoint sharded, fsdp_shards/ (DCP) in place of the
+                                         LoRA or unet/ and the optimizer
     output_dir/checkpoint-N/checkpoint.json   written last: run id, trainer, N, process count, the settings a
                                          resumed run must share (`resume_fit.RESUME_SETTINGS`) and every file's size
     output_dir/config.json, pytorch_lora_weights.safetensors or unet/   the final weights (training.save_final)

@@ -15,10 +15,13 @@ accelerate makes the FSDP state only on GPUs; on the CPU (the tests, over gloo) 
 state after the fact, so that the loops, `prepare`, the gradient clipping and the accumulation run accelerate's FSDP2
 code either way.
 
-Checkpoints and the final weights are gathered (`torch.distributed.checkpoint.state_dict` with full_state_dict):
-every process takes part, the main process writes the LoRA (diffusers format) or the full network (diffusers folder)
-and the optimizer state as safetensors, and every process loads them back into its shards, so a resume is bit-exact
-and the files are those of a run without FSDP (plus the optimizer's).
+The final weights, and checkpoints by default (--fsdp_checkpoint gathered), are gathered
+(`torch.distributed.checkpoint.state_dict` with full_state_dict): every process takes part, the main process writes
+the LoRA (diffusers format) or the full network (diffusers folder) and the optimizer state as safetensors, and every
+process loads them back into its shards, so a resume is bit-exact and the files are those of a run without FSDP (plus
+the optimizer's). With --fsdp_checkpoint sharded, checkpoint-N holds instead each process' shards of the trained
+weights and their optimizer state, written and read by torch.distributed.checkpoint (DCP) in its own format under
+checkpoint-N/fsdp_shards/ (`save_shards`, `load_shards`): nothing is gathered.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import torch
 
 OPTIMIZER_FILE = "optimizer_fsdp.safetensors"  # the gathered optimizer state (tensors)
 OPTIMIZER_GROUPS = "optimizer_fsdp.json"  # its param_groups and the names of the parameters in order
+# --fsdp_checkpoint sharded: DCP's files in checkpoint-N (.metadata, one __<rank>_0.distcp per process)
+SHARDS_DIR = "fsdp_shards"
 
 
 def fsdp_plugin(mixed_precision: str, cpu_offload: bool = False):
@@ -206,6 +211,44 @@ def load_optimizer(network, optimizer, folder: Path) -> None:
         _inner(optimizer),
         {"state": state, "param_groups": saved["param_groups"]},
         options=StateDictOptions(full_state_dict=True),
+    )
+
+
+# ---- sharded state: checkpoint-N with --fsdp_checkpoint sharded ----
+
+
+def _sharded_state(network, optimizer) -> dict:
+    """{"model": the trained tensors, "optimizer": their optimizer state}, both as this process' shards (DTensors,
+    not gathered); the frozen base of a LoRA is left out (it comes from the base model)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(network, _inner(optimizer))
+    trained = {n for n, p in network.named_parameters() if p.requires_grad}
+    return {"model": {k: v for k, v in model.items() if k in trained}, "optimizer": optim}
+
+
+def save_shards(network, optimizer, folder: Path) -> None:
+    """Every process writes its shards of the trained weights and their optimizer state to folder/SHARDS_DIR with
+    torch.distributed.checkpoint (a collective: every process calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    (folder / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+    dcp.save(_sharded_state(network, optimizer), checkpoint_id=folder / SHARDS_DIR)
+
+
+def load_shards(network, optimizer, folder: Path) -> None:
+    """save_shards' files back into every process' shards and optimizer state (a collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _sharded_state(network, optimizer)
+    dcp.load(state, checkpoint_id=folder / SHARDS_DIR)
+    set_state_dict(
+        network,
+        _inner(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),  # the trained tensors only
     )
 
 

@@ -3,8 +3,8 @@
 Sharding changes where the weights live, not the arithmetic: two processes with --fsdp train the weights of the same
 two processes without it (DDP: each holds the whole network, the gradients all-reduced) to 1e-5 (ReFL and GRPO on
 tiny SD3, and ReFL on tiny FLUX.1; LoRA and full fine-tune); a run killed with -9 and resumed under FSDP equals the
-uninterrupted one; two launchers on one machine as machines 0 and 1 train one run; the final weights are the
-diffusers files a stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise,
+uninterrupted one, with gathered checkpoints or sharded ones (--fsdp_checkpoint sharded: DCP shards); two launchers
+on one machine as machines 0 and 1 train one run; the final weights are the diffusers files a stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise,
 seeded by its rank, so one process with twice the batch sees other samples.)"""
 
 import json
@@ -21,6 +21,7 @@ from helpers import REPO, assert_lora_changes_stock_images, run_script, script_e
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import FULL_UNET_DIR, LORA_WEIGHTS_NAME
+from refl_ddpo.sharding import SHARDS_DIR, peft_keys_to_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -80,6 +81,24 @@ def _run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
     return r
 
 
+def _kill_after(folder: Path, script: str, flags: list[str]) -> None:
+    """Start `script` on two processes, kill its whole group with -9 once `folder` (a checkpoint) is there."""
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "train_scripts" / script), *flags],
+        cwd=REPO,
+        env=script_env(NUM_PROCESSES="2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 180
+    while not folder.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert folder.is_dir(), f"no {folder.name} before the kill"
+
+
 def _assert_close(a: dict, b: dict, tol: float = TOL) -> float:
     assert a.keys() == b.keys() and a
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -106,6 +125,7 @@ def runs(tiny_models, tmp_path_factory):
                 "grpo-fsdp": ("train_grpo.sh", _grpo_flags(tiny_models, out, "--fsdp")),
                 "refl-ddp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *VALIDATION)),
                 "refl-fsdp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", *VALIDATION)),
+                "refl-fsdp-shards": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *SHARDS)),
                 "full-ddp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *FULL)),
                 "full-fsdp": ("train_refl_lora.sh", _refl_flags(tiny_models, out, "--fsdp", *FULL)),
             }[name]
@@ -123,6 +143,11 @@ VALIDATION = (
     *("--num_validation_images", "1", "--validation_num_steps", "2"),
 )
 FULL = ("--no-use_lora", "--learning_rate", "1e-3")
+# --fsdp_checkpoint sharded: checkpoint-1, -2 and -3, the last two kept
+SHARDS = (
+    *("--fsdp", *VALIDATION, "--fsdp_checkpoint", "sharded"),
+    *("--checkpointing_steps", "1", "--checkpoints_total_limit", "2"),
+)
 
 
 def test_grpo_lora_under_fsdp_equals_the_unsharded_run(runs):
@@ -185,20 +210,8 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(runs, tiny_models,
     reference, _ = runs("grpo-fsdp")
     out = tmp_path / "killed"
     flags = _grpo_flags(tiny_models, out, "--fsdp")
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
-        cwd=REPO,
-        env=script_env(NUM_PROCESSES="2"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 180
-    while not (out / "checkpoint-1").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    _kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
+    assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
     r = _run("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     resumed, uninterrupted = _lora(out), _lora(reference)
@@ -207,6 +220,92 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(runs, tiny_models,
     assert json.loads((out / "checkpoint-2" / "train_state.json").read_text()) == json.loads(
         (reference / "checkpoint-2" / "train_state.json").read_text()
     )
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
+def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathered_runs(runs):
+    """--fsdp_checkpoint sharded: checkpoint-N holds each process' DCP shards (listed in checkpoint.json), no gathered
+    weights or optimizer; read whole in one process (DCP reshards), they are the gathered run's checkpoint-2 LoRA bit
+    for bit; resuming with another process count is one line (as for every checkpoint); the final LoRA is the
+    gathered-checkpoint run's, bit for bit, in the diffusers format."""
+    import torch.distributed.checkpoint as dcp
+
+    from refl_ddpo.errors import UserError
+    from refl_ddpo.resume_fit import check_resume_fits
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    (gathered, _), (out, _) = runs("refl-fsdp"), runs("refl-fsdp-shards")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    checkpoint = out / "checkpoint-2"
+    shards = sorted(p.name for p in (checkpoint / SHARDS_DIR).iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    listed = json.loads((checkpoint / "checkpoint.json").read_text())["files"]
+    assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed.keys()
+    assert not (checkpoint / LORA_WEIGHTS_NAME).exists() and not (checkpoint / FULL_UNET_DIR).exists()
+    assert not list(checkpoint.glob("optimizer*")) and not list(checkpoint.glob("*.bin"))
+    saved = dcp.FileSystemReader(checkpoint / SHARDS_DIR).read_metadata().state_dict_metadata
+    whole = {k: torch.empty(v.size) for k, v in saved.items() if k.startswith("model.")}
+    dcp.load(whole, checkpoint_id=checkpoint / SHARDS_DIR, no_dist=True)
+    lora = peft_keys_to_model(_lora(gathered / "checkpoint-2"))
+    assert whole.keys() == {"model." + k.removeprefix("transformer.") for k in lora}
+    assert all(torch.equal(whole["model." + k.removeprefix("transformer.")], v) for k, v in lora.items())
+    record = json.loads((checkpoint / "checkpoint.json").read_text())
+    cfg = ReFLConfig(**json.loads((out / "config.json").read_text()))  # the run's, resolved
+    with pytest.raises(
+        UserError, match=r"written by 2 process\(es\), this run has 1; resume it with NUM_PROCESSES=2"
+    ):
+        check_resume_fits(checkpoint, record, cfg, record["trainer"], "max_train_steps", 1)
+    final, reference = _lora(out), _lora(gathered)
+    assert final.keys() == reference.keys()
+    assert all(torch.equal(final[k], reference[k]) for k in final)
+
+
+def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weights(
+    runs, tiny_models, tmp_path
+):
+    """ReFL LoRA under FSDP with --fsdp_checkpoint sharded, killed (-9) after checkpoint-2, resumed with latest from
+    its DCP shards: the final LoRA and the last checkpoint's counters equal the uninterrupted run's bit for bit."""
+    reference, _ = runs("refl-fsdp-shards")
+    out = tmp_path / "killed"
+    flags = _refl_flags(tiny_models, out, *SHARDS)
+    _kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
+    assert not (out / LORA_WEIGHTS_NAME).exists() and not (out / "checkpoint-3").exists(), (
+        "killed before the end"
+    )
+    r = _run("train_refl_lora.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in r.stdout and "checkpoint-2" in r.stdout
+    resumed, uninterrupted = _lora(out), _lora(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert json.loads((out / "checkpoint-3" / "train_state.json").read_text()) == json.loads(
+        (reference / "checkpoint-3" / "train_state.json").read_text()
+    )
+
+
+def test_killed_full_finetune_with_sharded_checkpoints_resumes_to_the_gathered_runs_weights(
+    runs, tiny_models, tmp_path
+):
+    """A full fine-tune under FSDP with --fsdp_checkpoint sharded: checkpoint-2 holds the DCP shards, no unet/;
+    killed (-9) after it and resumed, the final unet/ (a diffusers folder) equals the gathered-checkpoint run's bit
+    for bit."""
+    from diffusers import SD3Transformer2DModel
+
+    reference, _ = runs("full-fsdp")
+    out = tmp_path / "killed"
+    flags = _refl_flags(tiny_models, out, "--fsdp", *FULL, "--fsdp_checkpoint", "sharded")
+    _kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
+    assert not (out / FULL_UNET_DIR).exists(), "killed before the end"
+    assert (out / "checkpoint-2" / SHARDS_DIR / ".metadata").is_file()
+    assert not (out / "checkpoint-2" / FULL_UNET_DIR).exists()
+    _run("train_refl_lora.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    resumed, uninterrupted = (
+        load_file(out / FULL_UNET_DIR / WEIGHTS),
+        load_file(reference / FULL_UNET_DIR / WEIGHTS),
+    )
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    SD3Transformer2DModel.from_pretrained(out / FULL_UNET_DIR)
 
 
 def _free_port() -> int:
@@ -285,6 +384,11 @@ def test_a_machine_that_never_meets_machine_0_is_one_line(tiny_models, tmp_path)
     [
         ("train_grpo.sh", ["--fsdp"], "--fsdp shards the network over several processes but this run has 1"),
         ("train_grpo.sh", ["--fsdp_cpu_offload"], "add --fsdp"),
+        (
+            "train_grpo.sh",
+            ["--fsdp_checkpoint", "sharded"],
+            "--fsdp_checkpoint sharded writes FSDP's shards: add",
+        ),
         ("train_refl_lora.sh", ["--fsdp", "--no-use_lora", "--use_ema"], "drop --use_ema or --fsdp"),
         ("train_nft.sh", ["--fsdp"], "DiffusionNFT and AWM keep a copy"),
     ],

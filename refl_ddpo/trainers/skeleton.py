@@ -369,6 +369,7 @@ def checkpoint(algo: Algorithm, run: Run, done: int) -> Path:
         run.info,
         settings=settings(cfg),
         total_limit=cfg.checkpoints_total_limit,
+        shards=cfg.fsdp_checkpoint == "sharded",
     )
     if run.accelerator.is_local_main_process:
         from tqdm.auto import tqdm
