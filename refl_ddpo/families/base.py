@@ -179,7 +179,9 @@ class ModelFamily(ABC):
     def text_encoders_on_device(self):
         """With --offload_text_encoders (`text_encoder_device` set) the text encoders are moved from the CPU to that
         device for the block and back to the CPU after it, so that their weights are not resident while the
-        network denoises, backpropagates and the rewards score; without it, nothing is moved.
+        network denoises, backpropagates and the rewards score; without it, nothing is moved. The encode itself
+        then holds them beside every other weight, so the flag lowers the peak only by what the rest of the step
+        holds above the encode (docs/benchmarks.md counts it for FLUX.1-dev).
 
         A plain `.to` there and back rather than accelerate's `cpu_offload_with_hook` or diffusers'
         `enable_model_cpu_offload`: those move a module on its first forward and move it back only when the next
