@@ -42,6 +42,7 @@ def _flux_trainable(b: Bench, mode: str, config=None):
     )
     family = b.flux_family(base)
     b.text_encoder_bytes = _text_encoder_bytes(family)
+    b.text_encoder_family = family  # for the count of --offload_text_encoders (benchmarks/memory.py)
     return base, params, family
 
 

@@ -135,6 +135,11 @@ class BenchConfig(ConfigBase):
         "fully_shard per block, bf16 compute, fp32 master weights and gradient reduction) over this many ranks, "
         "as rank 0 of a fake process group in this one process (0: not sharded). Frozen parts stay whole.",
     )
+    offload_text_encoders: bool = field_(
+        False,
+        "With --memory_only: count the kit's --offload_text_encoders on the FLUX.1 cases: the text encoders' "
+        "weights count on the device only while the prompts are encoded (see benchmarks/memory.py).",
+    )
     # ---- sweep ----
     sweep: bool = field_(
         False,

@@ -42,6 +42,13 @@ so `MetaBench.prepare` points them at the sharded parameters in order (what the 
 on its own on a GPU run). accelerate does not wrap a sharded network's forward in autocast (FSDP2's policy casts the
 parameters instead), so the network's norms and softmax run in bf16 there, as on a GPU under `--fsdp`.
 
+Text encoders offloaded (`--offload_text_encoders`, the kit's flag, FLUX.1 cases): the count builds them on the
+meta device with the rest, and meta tensors cannot go to the host and back, so `offload_text_encoders` does the
+flag's accounting instead of its moves: their weights leave the live bytes after setup and are added back only while
+the family encodes (its `text_encoders_on_device`, where the flag moves them to the device), with the encoding's own
+activations counted as usual. The peak is then the larger of the encode (every other weight, the optimizer states
+and the encoders) and the rest of the run without them.
+
 Not counted: memory a kernel allocates for itself inside one op (cuBLAS / cuBLASLt workspaces, cuDNN convolution
 workspaces, flash attention's fp32 gradient accumulator, the padding of a mask for memory-efficient attention),
 the caching allocator's fragmentation and reserved-but-free blocks (`max_memory_reserved`), the CUDA context and
@@ -468,6 +475,22 @@ class MetaBench(Bench):
         return unet, optimizer
 
 
+def offload_text_encoders(mem: PeakMemory, family, nbytes: int) -> None:
+    """The kit's --offload_text_encoders in the count: the text encoders' `nbytes` off the live bytes, and on them
+    only inside `family.text_encoders_on_device` (the block that encodes), which this replaces on the object."""
+    mem._add(-nbytes)
+
+    @contextlib.contextmanager
+    def on_device():
+        mem._add(nbytes)
+        try:
+            yield
+        finally:
+            mem._add(-nbytes)
+
+    family.text_encoders_on_device = on_device
+
+
 def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     """Peak device bytes of one case, counted as the timed runs measure it: setup, one warm-up run, reset of the
     peak, one run."""
@@ -481,6 +504,10 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
             hold_fsdp_state(b.accelerator, fsdp_plugin(b.accelerator.mixed_precision))
         run, _ = case.setup(b)
         gc.collect()  # the unsharded parameters that fully_shard replaced sit in reference cycles
+        te = getattr(b, "text_encoder_bytes", None)  # set by the FLUX.1 cases
+        offloaded = cfg.offload_text_encoders and te is not None
+        if offloaded:
+            offload_text_encoders(mem, b.text_encoder_family, te)
         setup_live, setup_peak = mem.live, mem.peak
         run()
         steady = mem.live
@@ -496,8 +523,9 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
             "steady_bytes": steady,
             "peak_bytes": mem.peak,
         }
-        te = getattr(b, "text_encoder_bytes", None)  # set by the FLUX.1 cases
-        if te is not None:
+        if offloaded:
+            result["text_encoders_offloaded"] = True
+        elif te is not None:
             result["text_encoder_bytes"] = te
             result["peak_text_encoders_offloaded_bytes"] = mem.peak - te
         del run, b
@@ -549,6 +577,11 @@ def memory_table(results: dict) -> str:
             "states are 1/N each, and the blocks FSDP2 all-gathers for forward and backward are counted as it "
             "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank."
         )
+    if meta.get("offload_text_encoders"):
+        notes.append(
+            "--offload_text_encoders (the FLUX.1 cases): the text encoders' weights count on the device only while "
+            "the prompts are encoded, counted (not derived)."
+        )
     if offload:
         notes.append(
             "Text encoders off the device (derived, not counted): the peak less the text encoders' weights, what a "
@@ -587,6 +620,7 @@ def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
             "resolution": cfg.resolution or (32 if cfg.tiny else 512),
             "gradient_checkpointing": cfg.gradient_checkpointing,
             "fsdp_world_size": cfg.fsdp_world_size,
+            "offload_text_encoders": cfg.offload_text_encoders,
             "options": dataclasses.asdict(cfg),
         },
         "cases": [],

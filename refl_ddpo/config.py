@@ -172,6 +172,12 @@ class CommonConfig(ConfigBase):
         "SD3: load without the T5 text encoder (saves about 9 GB for SD3.5; SD3 was trained to work without it). "
         "A folder without text_encoder_3 loads without T5 anyway. FLUX.1 refuses it (T5 reads its prompt).",
     )
+    offload_text_encoders: bool = field_(
+        False,
+        "Keep the text encoders on the CPU and move them to the GPU only while they encode a batch of prompts, so "
+        "their weights are not resident during sampling, backprop and rewards (FLUX.1's T5-XXL + CLIP-L: about 9.1 "
+        "GiB in bf16; Qwen-Image's Qwen2.5-VL: about 15.4 GiB). Costs one host-to-GPU copy of them per encoded batch.",
+    )
     reward_model_dir: str = field_(
         "checkpoint",
         "Folder with the reward models' files: ImageReward.pt, med_config.json and bert-base-uncased/ (or the hub id "

@@ -61,7 +61,13 @@ def load_inference_family(cfg: InferenceConfig) -> tuple[ModelFamily, InferenceC
     from refl_ddpo.families import load_family, resolve_guidance
 
     try:
-        family = load_family(cfg.pretrained_model, torch_dtype(cfg.dtype), cfg.device, drop_t5=cfg.drop_t5)
+        family = load_family(
+            cfg.pretrained_model,
+            torch_dtype(cfg.dtype),
+            cfg.device,
+            drop_t5=cfg.drop_t5,
+            offload_text_encoders=cfg.offload_text_encoders,
+        )
     except UserError as e:
         if getattr(cfg, "base_from_lora_config", False):
             raise UserError(

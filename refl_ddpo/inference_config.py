@@ -49,6 +49,11 @@ class InferenceConfig(ConfigBase):
         "SD3: load without the T5 text encoder (a folder without text_encoder_3 loads without it anyway). FLUX.1 "
         "refuses it (T5 reads its prompt).",
     )
+    offload_text_encoders: bool = field_(
+        False,
+        "Keep the text encoders on the CPU and move them to the device only while they encode a batch of prompts, "
+        "so their weights are not resident while the network denoises and the VAE decodes.",
+    )
     reward_model_dir: str = field_(
         "checkpoint",
         "Folder with ImageReward.pt, med_config.json and bert-base-uncased/ (and the files of other --rewards); "

@@ -200,7 +200,12 @@ def make_trainable(
 
 
 def load_trainable_family(
-    accelerator, pretrained_model: str, trainable: TrainableSpec, *, drop_t5: bool = False
+    accelerator,
+    pretrained_model: str,
+    trainable: TrainableSpec,
+    *,
+    drop_t5: bool = False,
+    offload_text_encoders: bool = False,
 ):
     """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
     accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
@@ -208,13 +213,20 @@ def load_trainable_family(
 
     Sharded (--fsdp), the network stays on the CPU through loading, LoRA and the fp32 upcast of a full fine-tune:
     `accelerator.prepare` (FSDP2's fully_shard, block by block) moves it to the device and keeps only this process'
-    shard there, so no GPU ever holds the whole network; the frozen parts go to the device as without sharding."""
+    shard there, so no GPU ever holds the whole network; the frozen parts go to the device as without sharding.
+    `offload_text_encoders` (--offload_text_encoders): the text encoders stay on the CPU and visit the device only
+    while they encode (`ModelFamily.text_encoders_on_device`)."""
     from refl_ddpo.families import load_family
     from refl_ddpo.sharding import is_sharded
 
     dtype = weight_dtype(accelerator)
     family = load_family(
-        pretrained_model, dtype, accelerator.device, drop_t5=drop_t5, network_on_host=is_sharded(accelerator)
+        pretrained_model,
+        dtype,
+        accelerator.device,
+        drop_t5=drop_t5,
+        network_on_host=is_sharded(accelerator),
+        offload_text_encoders=offload_text_encoders,
     )
     targets = list(trainable.target_modules or family.lora_target_modules)
     params = make_trainable(family.network, trainable, targets)

@@ -430,3 +430,34 @@ def test_committed_memory_results_name_the_architecture_they_count():
         cases = [c.strip() for c in data["meta"]["options"]["only"].split(",") if c.strip()]
         assert data["meta"]["models"] == architectures(cases), path
         assert f"not measured: {architectures(cases)}," in (path.parent / "memory.md").read_text(), path
+
+
+def test_memory_only_counts_the_text_encoders_offloaded(tmp_path):
+    """--offload_text_encoders in the count (FLUX.1's ReFL step, tiny): the encoders' weights are off the device
+    before the run and on it while the prompts are encoded, so the run's live bytes drop by their weights and the
+    peak lies between the derived figure (peak less their weights) and the peak with them kept."""
+    from benchmarks.memory import run_memory_only
+
+    argv = [
+        "--memory_only",
+        "--tiny",
+        "--only",
+        "flux_refl",
+        "--refl_modes",
+        "lora",
+        "--refl_batch_sizes",
+        "1",
+    ]
+    argv += ["--refl_steps", "3", "--refl_k", "1"]
+    (kept,) = run_memory_only(parse_config(BenchConfig, argv + ["--out", str(tmp_path / "kept")]), argv)[
+        "cases"
+    ]
+    argv += ["--offload_text_encoders", "--out", str(tmp_path / "off")]
+    (off,) = run_memory_only(parse_config(BenchConfig, argv), argv)["cases"]
+    te = kept["text_encoder_bytes"]
+    assert off["text_encoders_offloaded"] and "text_encoder_bytes" not in off
+    assert off["setup_bytes"] == kept["setup_bytes"] - te
+    assert off["steady_bytes"] == kept["steady_bytes"] - te
+    assert kept["peak_bytes"] - te <= off["peak_bytes"] <= kept["peak_bytes"]
+    assert off["peak_bytes"] >= off["steady_bytes"] + te  # the encode holds them beside everything else
+    assert "--offload_text_encoders" in (tmp_path / "off" / "memory.md").read_text()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refl_ddpo.errors import UserError
-from refl_ddpo.families.base import Cond, ModelFamily, cond_cat, cond_expand
+from refl_ddpo.families.base import TEXT_ENCODER_NAMES, Cond, ModelFamily, cond_cat, cond_expand
 
 __all__ = [
     "Cond",
@@ -40,11 +40,18 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
 
 
 def load_family(
-    name: str, dtype=None, device="cpu", drop_t5: bool = False, network_on_host: bool = False
+    name: str,
+    dtype=None,
+    device="cpu",
+    drop_t5: bool = False,
+    network_on_host: bool = False,
+    offload_text_encoders: bool = False,
 ) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
     its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
-    the CPU (--fsdp: `prepare` puts only its shards on `device`); the other parts go to `device`."""
+    the CPU (--fsdp: `prepare` puts only its shards on `device`); the other parts go to `device`.
+    `offload_text_encoders`: the text encoders stay on the CPU and visit `device` only while they encode
+    (`ModelFamily.text_encoders_on_device`); they are never sharded, so this composes with `network_on_host`."""
     from refl_ddpo.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
@@ -58,8 +65,13 @@ def load_family(
         raise UserError(
             f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
-    on_host = (cls.network_name,) if network_on_host else ()
-    return cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))
+    on_host = ((cls.network_name,) if network_on_host else ()) + (
+        TEXT_ENCODER_NAMES if offload_text_encoders else ()
+    )
+    family = cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))
+    if offload_text_encoders:
+        family.text_encoder_device = device
+    return family
 
 
 def resolve_lora_targets(cfg):

@@ -8,11 +8,15 @@ DDPO sample buffers (indexed and concatenated key by key) and the same CFG batch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 
 Cond = dict[str, torch.Tensor]  # e.g. {"prompt_embeds": (B, L, D)}; every tensor batch-first
+
+# The pipeline attributes of the text encoders (absent or None where a family or a folder has fewer).
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 def cond_expand(cond: Cond, batch_size: int) -> Cond:
@@ -84,6 +88,9 @@ class ModelFamily(ABC):
         import logging
 
         self.pipe = pipe
+        # --offload_text_encoders: the device the text encoders visit while they encode (they live on the CPU);
+        # None: they stay where they were loaded, with the rest of the pipeline. Set by `load_family`.
+        self.text_encoder_device: torch.device | str | None = None
         self._prompts_checked: set[str] = set()
         self._truncation_said = False
         # The pipeline's encode_prompt warns about a truncated prompt at every call (every batch of a run);
@@ -163,10 +170,52 @@ class ModelFamily(ABC):
         scheduler.set_timesteps(num_inference_steps, device="cpu")
         return scheduler.timesteps
 
+    def text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders (CLIPs, T5, Qwen2.5-VL), those it has."""
+        modules = (getattr(self.pipe, name, None) for name in TEXT_ENCODER_NAMES)
+        return [m for m in modules if isinstance(m, torch.nn.Module)]
+
+    @contextmanager
+    def text_encoders_on_device(self):
+        """With --offload_text_encoders (`text_encoder_device` set) the text encoders are moved from the CPU to that
+        device for the block and back to the CPU after it, so that their weights are not resident while the
+        network denoises, backpropagates and the rewards score; without it, nothing is moved. The encode itself
+        then holds them beside every other weight, so the flag lowers the peak only by what the rest of the step
+        holds above the encode (docs/benchmarks.md counts it for FLUX.1-dev).
+
+        A plain `.to` there and back rather than accelerate's `cpu_offload_with_hook` or diffusers'
+        `enable_model_cpu_offload`: those move a module on its first forward and move it back only when the next
+        hooked module runs (diffusers chains every component, the network included, which must stay on the
+        device), while here the encoding is one known block of code. The cost is one host-to-device copy of the
+        encoders per encoded batch (and the copy back frees their device memory). The kit caches no prompt
+        embeddings: every batch is encoded afresh; only the empty prompt's (`empty_cond`) is encoded once, at the
+        setup of DDPO / GRPO / NFT, and kept."""
+        if self.text_encoder_device is None:
+            yield
+            return
+        modules = self.text_encoders()
+        try:
+            for module in modules:
+                module.to(self.text_encoder_device)
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
+
     # ---- the data path ----
-    @abstractmethod
+    @torch.no_grad()
     def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
-        """(conditioning of the prompts, of the empty prompt or None), no grad."""
+        """(conditioning of the prompts, of the empty prompt or None), no grad; the text encoders on the device for
+        the call (`text_encoders_on_device`). Every path that runs a text encoder comes here (the trainers' prompts,
+        the empty prompt of `empty_cond`, validation and inference through `generate`)."""
+        self.check_prompt_lengths(prompts)
+        with self.text_encoders_on_device():
+            return self.run_text_encoders(prompts, with_negative)
+
+    @abstractmethod
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+        """`encode_prompts` with the text encoders where they are: the family's call of the pipeline's
+        `encode_prompt`."""
 
     def empty_cond(self) -> Cond:
         """The conditioning (batch 1) the stock pipeline guides away from when no negative prompt is given: the

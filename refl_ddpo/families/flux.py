@@ -65,13 +65,11 @@ class Flux(StableDiffusion3):
         vector only)."""
         return self.pipe.tokenizer_2, self.max_sequence_length
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt` (T5's hidden states, CLIP's pooled output). The negative, the empty
         prompt, is encoded only for true CFG (`true_cfg_scale` > 1; None otherwise: the embedded guidance needs
         none, and T5 is not run for nothing). The text position ids are zeros (`text_ids`), made at the network
         call."""
-        self.check_prompt_lengths(prompts)
         cond = self._encode(prompts)
         with_negative = with_negative and self.true_cfg_scale > 1.0
         return cond, (self._encode([""] * len(prompts)) if with_negative else None)

@@ -55,10 +55,8 @@ class QwenImage(Flux):
         template = len(pipe.tokenizer(pipe.prompt_template_encode.format("")).input_ids)
         return pipe.tokenizer, self.max_sequence_length - (template - pipe.prompt_template_encode_start_idx)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt`; the negative is the empty prompt (None unless `with_negative`)."""
-        self.check_prompt_lengths(prompts)
         cond = self._encode(prompts)
         return cond, (self._encode([""] * len(prompts)) if with_negative else None)
 

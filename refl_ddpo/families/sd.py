@@ -22,9 +22,7 @@ class StableDiffusion(ModelFamily):
     # Only schedulers whose step returns pred_original_sample, which the loop reads (PNDM and DPM-Solver do not).
     schedulers: ClassVar[dict[str, str]] = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler"}
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
-        self.check_prompt_lengths(prompts)
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         prompt_embeds, negative = self.pipe.encode_prompt(prompts, self.pipe.device, 1, with_negative)
         return {"prompt_embeds": prompt_embeds}, (None if negative is None else {"prompt_embeds": negative})
 

@@ -41,11 +41,9 @@ class StableDiffusion3(ModelFamily):
     # "euler" is the Euler sampler of each family: here the flow-matching one, the stock pipeline's
     schedulers: ClassVar[dict[str, str]] = {"euler": "FlowMatchEulerDiscreteScheduler"}
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt` (both CLIPs, T5 or its zero padding when dropped); the negative is the
         empty prompt, as the pipeline's default."""
-        self.check_prompt_lengths(prompts)
         encoded = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,

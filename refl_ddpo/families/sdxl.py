@@ -38,11 +38,9 @@ class StableDiffusionXL(StableDiffusion):
         if pipe.vae.dtype == torch.float16 and pipe.vae.config.force_upcast:
             pipe.vae.to(torch.float32)
 
-    @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+    def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt` (both CLIPs, the same prompt to each); the negative is its default (no
         negative prompt): zeros with `force_zeros_for_empty_prompt` (SDXL base's config), else the empty prompt."""
-        self.check_prompt_lengths(prompts)
         encoded = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,

@@ -232,7 +232,11 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         repo_id = create_hub_repo(repo_name(cfg.hub_model_id, cfg.output_dir), cfg.hub_token)
     set_seed(cfg.seed)  # the same LoRA init on every process and in every run with this seed
     family, params, dtype = load_trainable_family(
-        accelerator, cfg.pretrained_model, trainable_spec(cfg), drop_t5=cfg.drop_t5
+        accelerator,
+        cfg.pretrained_model,
+        trainable_spec(cfg),
+        drop_t5=cfg.drop_t5,
+        offload_text_encoders=cfg.offload_text_encoders,
     )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
