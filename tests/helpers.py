@@ -2,8 +2,10 @@
 environment of a trainer's shell script run in a subprocess."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,6 +127,25 @@ def run_script(name: str, args: list[str], env: dict | None = None, timeout: int
         timeout=timeout,
         check=False,
     )
+
+
+def kill_after(folder: Path, name: str, args: list[str]) -> None:
+    """Start train_scripts/NAME ARGS on two processes and kill its whole process group with -9 once `folder` (a
+    checkpoint) is there."""
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "train_scripts" / name), *args],
+        cwd=REPO,
+        env=script_env(NUM_PROCESSES="2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 180
+    while not folder.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert folder.is_dir(), f"no {folder.name} before the kill"
 
 
 def assert_lora_moves_the_scores(

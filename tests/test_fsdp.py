@@ -12,12 +12,11 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_lora_changes_stock_images, run_script, script_env, trainer_flags
+from helpers import REPO, assert_lora_changes_stock_images, kill_after, run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import FULL_UNET_DIR, LORA_WEIGHTS_NAME
@@ -79,24 +78,6 @@ def _run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
     r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
-
-
-def _kill_after(folder: Path, script: str, flags: list[str]) -> None:
-    """Start `script` on two processes, kill its whole group with -9 once `folder` (a checkpoint) is there."""
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "train_scripts" / script), *flags],
-        cwd=REPO,
-        env=script_env(NUM_PROCESSES="2"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 180
-    while not folder.is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert folder.is_dir(), f"no {folder.name} before the kill"
 
 
 def _assert_close(a: dict, b: dict, tol: float = TOL) -> float:
@@ -210,7 +191,7 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(runs, tiny_models,
     reference, _ = runs("grpo-fsdp")
     out = tmp_path / "killed"
     flags = _grpo_flags(tiny_models, out, "--fsdp")
-    _kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
+    kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
     assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
     r = _run("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
@@ -268,7 +249,7 @@ def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weight
     reference, _ = runs("refl-fsdp-shards")
     out = tmp_path / "killed"
     flags = _refl_flags(tiny_models, out, *SHARDS)
-    _kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
+    kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
     assert not (out / LORA_WEIGHTS_NAME).exists() and not (out / "checkpoint-3").exists(), (
         "killed before the end"
     )
@@ -294,7 +275,7 @@ def test_killed_full_finetune_with_sharded_checkpoints_resumes_to_the_gathered_r
     reference, _ = runs("full-fsdp")
     out = tmp_path / "killed"
     flags = _refl_flags(tiny_models, out, "--fsdp", *FULL, "--fsdp_checkpoint", "sharded")
-    _kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
+    kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
     assert not (out / FULL_UNET_DIR).exists(), "killed before the end"
     assert (out / "checkpoint-2" / SHARDS_DIR / ".metadata").is_file()
     assert not (out / "checkpoint-2" / FULL_UNET_DIR).exists()

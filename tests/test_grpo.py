@@ -3,16 +3,13 @@ over processes, the SDE window (its steps are the only stochastic and the only t
 in the loss, config checks and presets, the shell script end to end. CPU, tiny models."""
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import run_script, script_env, trainer_flags
+from helpers import kill_after, run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
@@ -632,19 +629,7 @@ def test_resume_after_a_killed_run_gives_the_bit_identical_lora(spanning_run, ti
     reference, _ = spanning_run("tiny-sd3")
     out = tmp_path / "killed"
     flags = _span_flags(tiny_models, "tiny-sd3", out, "--report_to", "none")
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPT), *flags],
-        cwd=REPO,
-        env=script_env(NUM_PROCESSES="2"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 180
-    while not (out / "checkpoint-1").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # in epoch 2
-    proc.wait()
+    kill_after(out / "checkpoint-1", SCRIPT.name, flags)  # in epoch 2
     assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
     r = _script([*flags, "--resume_from_checkpoint", "latest"])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -5,15 +5,12 @@ model loads. The maths is tests/test_forward.py's; the learning proof is tests/t
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import script_env, trainer_flags
+from helpers import kill_after, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
@@ -124,19 +121,7 @@ def test_nft_resume_after_a_killed_run_gives_the_bit_identical_lora(two_process_
     reference, _ = two_process_run("nft")
     out = tmp_path / "killed"
     flags = _flags(tiny_models, "nft", out, "--report_to", "none")
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "train_scripts" / "train_nft.sh"), *flags],
-        cwd=REPO,
-        env=script_env(NUM_PROCESSES="2"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.time() + 180
-    while not (out / "checkpoint-1").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # in epoch 2
-    proc.wait()
+    kill_after(out / "checkpoint-1", "train_nft.sh", flags)  # in epoch 2
     assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
     r = _script("nft", [*flags, "--resume_from_checkpoint", "latest"])
     assert r.returncode == 0, r.stderr[-3000:]
