@@ -4,13 +4,10 @@ The device is the CPU here, so where a test needs to see a move it loads onto a 
 tests/test_fsdp.py does: a meta tensor keeps its shape and dtype, no data)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, trainer_flags
+from helpers import run_script, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
@@ -90,21 +87,8 @@ def test_the_conditioning_is_the_same_with_the_flag_and_the_encoders_end_on_the_
 
 
 def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models, tmp_path):
-    """Two ReFL steps on tiny FLUX.1 through the trainer's command line, with and without the flag: the same LoRA
+    """Two ReFL steps on tiny FLUX.1 through train_refl_lora.sh, with and without the flag: the same LoRA
     tensors (the device is the CPU, so only the path differs); the saved config and --help carry the flag."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-    def refl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "refl_ddpo.trainers.refl", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-            check=False,
-            cwd=REPO,
-        )
-
     runs = {}
     for offload in (False, True):
         out = tmp_path / f"offload-{offload}"
@@ -123,11 +107,11 @@ def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models,
             max_train_steps=2,
             lora_init="random",
         )
-        r = refl(*flags)
+        r = run_script("train_refl_lora.sh", flags)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads((out / CONFIG_NAME).read_text())["offload_text_encoders"] is offload
         runs[offload] = load_file(out / LORA_WEIGHTS_NAME)
     assert runs[False].keys() == runs[True].keys()
     assert all(torch.equal(runs[False][k], runs[True][k]) for k in runs[False])
-    r = refl("--help")
+    r = run_script("train_refl_lora.sh", ["--help"])
     assert r.returncode == 0 and "--offload_text_encoders" in r.stdout
