@@ -268,8 +268,8 @@ CASES: dict[str, Case] = {
             max_ragged_rise=0.1,
         ),
         # AWM on toy-sd3, the word cyan: NFT's samples, the advantage-weighted matching loss, with toy_color_clean
-        # (gains +0.59 / +0.67 / +0.55 on seeds 42 / 0 / 1, the preset's toy_clean sum +0.41 / +0.64 / +0.55). Not in
-        # the learning stage: seed 2 does not learn (+0.02), as NFT's does not (docs/trainers/nft_awm.md)
+        # (gains +0.59 / +0.67 / +0.55 on seeds 42 / 0 / 1, the preset's toy_clean sum +0.41 / +0.64 / +0.55). Seed 2
+        # does not learn (+0.02), as NFT's does not (docs/trainers/nft_awm.md); the proofs' seeds are 42 / 0 / 1
         Case(
             "awm_sd3",
             "train_awm.sh",
