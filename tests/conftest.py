@@ -24,11 +24,14 @@ torch.set_num_threads(1)
 
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones
 # (pyproject's --no-loadscope-reorder keeps this order: xdist would otherwise start the files with the most tests).
+# xdist hands each worker a second file while its first has 2 tests or fewer to go: with 2 workers the learning stage
+# runs toy-sd3's four proofs then DRaFT-3 on one, ReFL, GRPO and AWM on the other.
 LONG_FIRST = (
     "test_toy_learning_sd3",
-    "test_toy_learning_grpo",
     "test_toy_learning",
+    "test_toy_learning_grpo",
     "test_toy_learning_draft",
+    "test_toy_learning_awm",
     "test_grpo",
     "test_refl",
     "test_ddpo",
