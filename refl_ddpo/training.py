@@ -141,13 +141,13 @@ def make_accelerator(
     if deepspeed is not None:
         from accelerate.utils import InitProcessGroupKwargs
 
-        from refl_ddpo.zero import deepspeed_plugin
+        from refl_ddpo.zero import deepspeed_plugin, without_cpu_comm_op
 
         ds_plugin = deepspeed_plugin(deepspeed)
-        if (
-            device == "cpu" or not torch.cuda.is_available()
-        ):  # else DeepSpeed counts each CPU process as alone
+        # on the CPU: gloo, else DeepSpeed counts each process as alone
+        if device == "cpu" or not torch.cuda.is_available():
             handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            without_cpu_comm_op()
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,

@@ -64,6 +64,17 @@ def deepspeed_plugin(config: dict):
     return DeepSpeedPlugin(hf_ds_config=config)
 
 
+def without_cpu_comm_op() -> None:
+    """On the CPU (processes over gloo, as in the tests): keep DeepSpeed from building its shared-memory collectives at
+    start-up, a g++ compile of minutes on 2 cores at the first start on a machine (then cached in
+    ~/.cache/torch_extensions) and a probe of every op's compiler at each start; gloo carries our tensors. DeepSpeed
+    reads its table of compatible ops only there (`deepspeed.comm.torch.build_shm_op`), so a table that lists the op
+    as unavailable leaves it out. Not used with GPUs."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
+
+
 def is_zero(accelerator) -> bool:
     """Whether the network runs in DeepSpeed's engine (--deepspeed_zero)."""
     from accelerate.utils import DistributedType
