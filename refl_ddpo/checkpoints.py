@@ -99,7 +99,7 @@ def save_checkpoint(
     """
     from refl_ddpo.runs import rotate_checkpoints, write_marker
     from refl_ddpo.sharding import is_sharded
-    from refl_ddpo.zero import is_zero
+    from refl_ddpo.zero import is_zero, trained_network
     from refl_ddpo.zero import save_state as save_zero_state
 
     final = Path(output_dir) / f"checkpoint-{step}"
@@ -112,6 +112,7 @@ def save_checkpoint(
         if sharded:
             _save_sharded_network(accelerator, tmp, shards)
         if zero:  # ours as safetensors, not DeepSpeed's pickles
+            check_finite_weights(trained_network(accelerator), f"not saving checkpoint-{step}")
             save_zero_state(accelerator, tmp)
         with _without_network(accelerator, sharded or zero):
             accelerator.save_state(str(tmp))
@@ -146,7 +147,7 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from refl_ddpo.sharding import is_sharded
-    from refl_ddpo.zero import is_zero
+    from refl_ddpo.zero import is_zero, trained_network
     from refl_ddpo.zero import load_state as load_zero_state
 
     sharded, zero = is_sharded(accelerator), is_zero(accelerator)
@@ -157,6 +158,11 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
             _load_sharded_network(accelerator, path)
         if zero:
             load_zero_state(accelerator, path)
+            check_finite_weights(
+                trained_network(accelerator),
+                f"not resuming from {path}",
+                "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
+            )
         counters = json.loads((path / TRAIN_STATE_JSON).read_text())
         tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
     except (

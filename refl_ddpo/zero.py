@@ -90,6 +90,11 @@ def _engine(accelerator):
     return accelerator._models[0]
 
 
+def trained_network(accelerator):
+    """The network inside DeepSpeed's engine (the one accelerate prepared)."""
+    return accelerator.unwrap_model(_engine(accelerator))
+
+
 def _trained(module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
@@ -105,16 +110,14 @@ def _flat_states(engine) -> list[tuple[dict, torch.Tensor, dict]]:
 
 def save_state(accelerator, folder: Path) -> None:
     """The trained weights (fp32 masters) and the optimizer state, gathered, into `folder`; every process takes part
-    (DeepSpeed's gathers are all-reduces), the main one writes."""
+    (DeepSpeed's gathers are all-reduces), the main one writes. The caller checks that the weights are finite."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
-    from refl_ddpo.checkpoints import check_finite_weights
     from refl_ddpo.lora import save_lora
 
     engine = _engine(accelerator)
     module = accelerator.unwrap_model(engine)
-    check_finite_weights(module, f"not saving {folder.name.lstrip('.').removesuffix('.tmp')}")
     trained = _trained(module)
     weights = {n: safe_get_full_fp32_param(p).cpu() for n, p in trained}
     groups = _flat_states(engine)
@@ -147,7 +150,6 @@ def load_state(accelerator, folder: Path) -> None:
     from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import load_file
 
-    from refl_ddpo.checkpoints import check_finite_weights
     from refl_ddpo.lora import FULL_UNET_DIR, read_lora_state
     from refl_ddpo.sharding import peft_keys_to_model
 
@@ -184,8 +186,3 @@ def load_state(accelerator, folder: Path) -> None:
         setattr(engine, k, v)
     for k, v in saved["loss_scaler"].items():
         setattr(zero.loss_scaler, k, v)
-    check_finite_weights(
-        module,
-        f"not resuming from {folder}",
-        "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
-    )
