@@ -141,6 +141,14 @@ def make_accelerator(
     if deepspeed is not None:
         from accelerate.utils import InitProcessGroupKwargs
 
+        if (
+            int(os.environ.get("WORLD_SIZE", "1")) < 2
+        ):  # the launcher's; accelerate would fail without a group
+            raise UserError(
+                "--deepspeed_zero partitions the optimizer state over several processes but this run has 1: launch "
+                "2 or more (NUM_PROCESSES=2 in train_scripts/, or GPUS=0,1), or drop --deepspeed_zero."
+            )
+
         from refl_ddpo.zero import deepspeed_plugin, without_cpu_comm_op
 
         ds_plugin = deepspeed_plugin(deepspeed)

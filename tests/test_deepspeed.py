@@ -4,7 +4,7 @@ ZeRO-2 partitions the optimizer state and the gradients, not the arithmetic: two
 of the same two processes without it (DDP) to 1e-5 (ReFL and GRPO on tiny SD3, LoRA); a run killed with -9 and
 resumed from our checkpoint files (safetensors, no DeepSpeed pickles) equals the uninterrupted one bit for bit; a
 NaN gradient stops the run in one line before the update (DeepSpeed skips the step, the guard sees its inf norm);
-ZeRO-3 and --fsdp beside it are refused in one line before any model loads. The first run on a machine compiles
+ZeRO-3, --fsdp beside it and one process are refused in one line before any model loads. The first run on a machine compiles
 DeepSpeed's CPU communication op (g++, about 100 s on 2 cores), cached in ~/.cache/torch_extensions afterwards."""
 
 import subprocess
@@ -198,9 +198,15 @@ def test_a_nan_gradient_under_zero2_stops_before_the_update_in_one_line(tiny_mod
     [
         (["--deepspeed_zero", "3"], "--deepspeed_zero 3 empties every weight outside a forward"),
         (["--deepspeed_zero", "2", "--fsdp"], "--deepspeed_zero and --fsdp are two engines"),
+        (
+            ["--deepspeed_zero", "2"],
+            "--deepspeed_zero partitions the optimizer state over several processes but",
+        ),
     ],
 )
-def test_zero3_and_zero2_with_fsdp_are_one_line_before_loading(extra, says, tiny_models, tmp_path):
+def test_zero3_zero2_with_fsdp_and_zero2_on_one_process_are_one_line_before_loading(
+    extra, says, tiny_models, tmp_path
+):
     flags = trainer_flags(
         tiny_models, tmp_path / "x", *extra, model="tiny-sd3", device="cpu", report_to="none"
     )
