@@ -90,7 +90,8 @@ def save_checkpoint(
 ) -> Path:
     """output_dir/checkpoint-N: accelerate state (LoRA, optimizer, lr scheduler) + our counters and generators, and
     checkpoint.json last (refl_ddpo.runs: the run, the `settings` a resume must match (resume_fit.settings), every
-    file's size). Under FSDP, `shards` (--fsdp_checkpoint sharded): the network and optimizer as each process' shards
+    file's size). Under DeepSpeed (--deepspeed_zero), the network and optimizer as refl_ddpo.zero writes them. Under
+    FSDP, `shards` (--fsdp_checkpoint sharded): the network and optimizer as each process' shards
     (DCP) instead of gathered.
 
     The folder is written under a temporary name and renamed, so a run killed mid-save leaves no half checkpoint.
@@ -98,17 +99,22 @@ def save_checkpoint(
     """
     from refl_ddpo.runs import rotate_checkpoints, write_marker
     from refl_ddpo.sharding import is_sharded
+    from refl_ddpo.zero import is_zero, trained_network
+    from refl_ddpo.zero import save_state as save_zero_state
 
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    sharded = is_sharded(accelerator)
+    sharded, zero = is_sharded(accelerator), is_zero(accelerator)
     try:
         if sharded:
             _save_sharded_network(accelerator, tmp, shards)
-        with _without_network(accelerator, sharded):
+        if zero:  # ours as safetensors, not DeepSpeed's pickles
+            check_finite_weights(trained_network(accelerator), f"not saving checkpoint-{step}")
+            save_zero_state(accelerator, tmp)
+        with _without_network(accelerator, sharded or zero):
             accelerator.save_state(str(tmp))
     except UserError:  # non-finite weights (the save hook): leave no temporary folder behind
         if accelerator.is_main_process:
@@ -141,13 +147,22 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict[str, torch.Tens
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     from refl_ddpo.sharding import is_sharded
+    from refl_ddpo.zero import is_zero, trained_network
+    from refl_ddpo.zero import load_state as load_zero_state
 
-    sharded = is_sharded(accelerator)
+    sharded, zero = is_sharded(accelerator), is_zero(accelerator)
     try:
-        with _without_network(accelerator, sharded):
+        with _without_network(accelerator, sharded or zero):
             accelerator.load_state(str(path))
         if sharded:
             _load_sharded_network(accelerator, path)
+        if zero:
+            load_zero_state(accelerator, path)
+            check_finite_weights(
+                trained_network(accelerator),
+                f"not resuming from {path}",
+                "resume from an earlier checkpoint-N (--resume_from_checkpoint)",
+            )
         counters = json.loads((path / TRAIN_STATE_JSON).read_text())
         tensors = load_file(str(path / TRAIN_STATE_TENSORS)) if (path / TRAIN_STATE_TENSORS).is_file() else {}
     except (

@@ -260,6 +260,13 @@ class CommonConfig(ConfigBase):
         False,
         "With --fsdp: keep the shards and their optimizer state on the CPU between uses (slower, less GPU).",
     )
+    deepspeed_zero: Literal[2, 3] | None = field_(
+        None,
+        "Run the trained network in DeepSpeed's engine with ZeRO stage 2 (accelerate's DeepSpeed plugin): the "
+        "optimizer state and gradients partitioned over the processes, the weights whole on each; clipping at "
+        "--max_grad_norm by DeepSpeed. Stage 3 is refused (use --fsdp). Needs deepspeed (requirements.txt). See "
+        "docs/multi_gpu.md.",
+    )
     checkpointing_steps: int = field_(
         0,
         "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
@@ -356,6 +363,7 @@ class CommonConfig(ConfigBase):
             raise UserError(
                 f"--fsdp_checkpoint {self.fsdp_checkpoint} writes FSDP's shards: add --fsdp (or drop it)."
             )
+        check_deepspeed(self.deepspeed_zero, self.fsdp)
         if self.hub_model_id is not None and not self.push_to_hub:
             raise UserError("--hub_model_id names the repo of --push_to_hub: add --push_to_hub (or drop it).")
 
@@ -376,6 +384,26 @@ def check_trackers(report_to: str) -> None:
             raise UserError(
                 f"--report_to {report_to} needs {name}: pip install -r requirements.txt (or --report_to none)."
             )
+
+
+def check_deepspeed(stage: int | None, fsdp: bool) -> None:
+    """--deepspeed_zero: stage 2 only, not with --fsdp, deepspeed installed (before anything is loaded)."""
+    import importlib.util
+
+    if stage is None:
+        return
+    if stage == 3:
+        raise UserError(
+            "--deepspeed_zero 3 empties every weight outside a forward, which the trainers read directly (the "
+            "old-policy copy of NFT/AWM, --use_ema, weight digests, the LoRA save): use --fsdp to shard the network, "
+            "or --deepspeed_zero 2."
+        )
+    if fsdp:
+        raise UserError("--deepspeed_zero and --fsdp are two engines for the same network: choose one.")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError(
+            "--deepspeed_zero needs deepspeed: pip install -r requirements.txt (or drop the flag)."
+        )
 
 
 def check_train_device(device: str | None) -> None:

@@ -110,11 +110,13 @@ def make_accelerator(
     allow_tf32: bool = False,
     fsdp: bool = False,
     fsdp_cpu_offload: bool = False,
+    deepspeed: dict | None = None,
 ):
     """The run's Accelerator: `mixed_precision` ("no", "fp16", "bf16"), the trackers of `report_to` (a --report_to
     choice) logging under output_dir/logging_dir, on `device` ("cpu", "cuda"; None: accelerate's choice), TF32
     matmuls on CUDA if `allow_tf32`; `fsdp`: the network that `prepare` gets is sharded with FSDP2
-    (refl_ddpo.sharding), its shards on the CPU between uses with `fsdp_cpu_offload`."""
+    (refl_ddpo.sharding), its shards on the CPU between uses with `fsdp_cpu_offload`; `deepspeed`: a DeepSpeed config
+    (refl_ddpo.zero.deepspeed_config) for accelerate's DeepSpeed plugin, the network run in DeepSpeed's engine."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -135,6 +137,25 @@ def make_accelerator(
 
     release_fsdp_state()  # an earlier --fsdp run in this process
     AcceleratorState._reset_state()
+    handlers, ds_plugin = [], None
+    if deepspeed is not None:
+        from accelerate.utils import InitProcessGroupKwargs
+
+        if (
+            int(os.environ.get("WORLD_SIZE", "1")) < 2
+        ):  # the launcher's; accelerate would fail without a group
+            raise UserError(
+                "--deepspeed_zero partitions the optimizer state over several processes but this run has 1: launch "
+                "2 or more (NUM_PROCESSES=2 in train_scripts/, or GPUS=0,1), or drop --deepspeed_zero."
+            )
+
+        from refl_ddpo.zero import deepspeed_plugin, without_cpu_comm_op
+
+        ds_plugin = deepspeed_plugin(deepspeed)
+        # on the CPU: gloo, else DeepSpeed counts each process as alone
+        if device == "cpu" or not torch.cuda.is_available():
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+            without_cpu_comm_op()
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -142,8 +163,10 @@ def make_accelerator(
         project_config=ProjectConfiguration(
             project_dir=output_dir, logging_dir=os.path.join(output_dir, logging_dir)
         ),
-        cpu=device == "cpu",
+        cpu=device == "cpu" and deepspeed is None,  # accelerate leaves DeepSpeed out with cpu=True
         fsdp_plugin=plugin,
+        deepspeed_plugin=ds_plugin,
+        kwargs_handlers=handlers,
     )
     if plugin is not None:
         from refl_ddpo.sharding import hold_fsdp_state

@@ -222,6 +222,7 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         allow_tf32=cfg.allow_tf32,
         fsdp=cfg.fsdp,
         fsdp_cpu_offload=cfg.fsdp_cpu_offload,
+        deepspeed=zero_config(cfg, algo.accumulation_steps()),
     )
     algo.check_processes(accelerator.num_processes)
     repo_id = None
@@ -253,6 +254,21 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     algo.setup_optimizer(run)
     prepare(run)
     return run, repo_id
+
+
+def zero_config(cfg: CommonConfig, accumulation: int) -> dict | None:
+    """The DeepSpeed config of --deepspeed_zero (refl_ddpo.zero), or None without it."""
+    if cfg.deepspeed_zero is None:
+        return None
+    from refl_ddpo.zero import deepspeed_config
+
+    return deepspeed_config(
+        cfg.deepspeed_zero,
+        micro_batch=cfg.train_batch_size,
+        accumulation=accumulation,
+        max_grad_norm=cfg.max_grad_norm,
+        mixed_precision=cfg.mixed_precision,
+    )
 
 
 def prepare(run: Run) -> None:

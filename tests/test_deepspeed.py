@@ -1,0 +1,239 @@
+"""DeepSpeed ZeRO-2 through accelerate (--deepspeed_zero 2, refl_ddpo/zero.py), on CPU processes over gloo.
+
+ZeRO-2 partitions the optimizer state and the gradients, not the arithmetic: two processes under it train the weights
+of the same two processes without it (DDP) to 1e-5 (ReFL and GRPO on tiny SD3, LoRA); a run killed with -9 and
+resumed from our checkpoint files (safetensors, no DeepSpeed pickles) equals the uninterrupted one bit for bit; a
+NaN gradient stops the run in one line before the update (DeepSpeed skips the step, the guard sees its inf norm);
+ZeRO-3, --fsdp beside it and one process are refused in one line before any model loads. The first run on a machine compiles
+DeepSpeed's CPU communication op (g++, about 100 s on 2 cores), cached in ~/.cache/torch_extensions afterwards."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, assert_lora_changes_stock_images, kill_after, run_script, script_env, trainer_flags
+from safetensors.torch import load_file
+
+from refl_ddpo.lora import LORA_WEIGHTS_NAME
+from refl_ddpo.zero import OPTIMIZER_FILE, OPTIMIZER_GROUPS
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
+
+TOL = 1e-5
+ZERO2 = ("--deepspeed_zero", "2")
+
+
+def _grpo_flags(tiny_models, out: Path, *extra: str) -> list[str]:
+    """Tiny SD3, 2 processes x 2 samples in groups of 2, an SDE window of 2, beta (the LoRA switched off); 2 epochs,
+    a checkpoint after each."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        "--global_std",
+        *extra,
+        model="tiny-sd3",
+        sample_num_steps=4,
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        group_size=2,
+        sde_window=2,
+        beta="0.04",
+        learning_rate="3e-2",
+        num_epochs=2,
+        save_freq=1,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+def _refl_flags(tiny_models, out: Path, *extra: str) -> list[str]:
+    """ReFL on tiny SD3, 2 steps of 2 micro-batches of 2 per process, clipped at 1e-3 (so that DeepSpeed's
+    clipping acts), checkpoint-1."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model="tiny-sd3",
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate="3e-2",
+        max_grad_norm="1e-3",
+        max_train_steps=2,
+        checkpointing_steps=1,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+def _run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _assert_close(a: dict, b: dict, tol: float = TOL) -> float:
+    assert a.keys() == b.keys() and a
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+def _lora(folder: Path) -> dict:
+    return load_file(folder / LORA_WEIGHTS_NAME)
+
+
+_runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_models, tmp_path_factory):
+    """Each named two-process run once per module: (output folder, completed process)."""
+
+    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if name not in _runs:
+            out = tmp_path_factory.mktemp(name) / "run"
+            script, flags = {
+                "grpo-ddp": ("train_grpo.sh", _grpo_flags(tiny_models, out)),
+                "grpo-zero2": ("train_grpo.sh", _grpo_flags(tiny_models, out, *ZERO2)),
+                "refl-ddp": ("train_refl_lora.sh", _refl_flags(tiny_models, out)),
+                "refl-zero2": ("train_refl_lora.sh", _refl_flags(tiny_models, out, *ZERO2)),
+            }[name]
+            _runs[name] = out, _run(script, flags)
+        return _runs[name]
+
+    yield run
+    _runs.clear()
+
+
+def test_refl_lora_under_zero2_equals_the_ddp_run_and_loads(runs, tiny_models):
+    from diffusers import StableDiffusion3Pipeline
+
+    (ddp, _), (zero, r) = runs("refl-ddp"), runs("refl-zero2")
+    assert "weights identical on all 2 process(es)" in r.stdout
+    _assert_close(_lora(zero), _lora(ddp))
+    _assert_close(_lora(zero / "checkpoint-1"), _lora(ddp / "checkpoint-1"))
+    # ours, not DeepSpeed's pickled engine state: the optimizer gathered as safetensors
+    saved = zero / "checkpoint-1"
+    assert (saved / OPTIMIZER_FILE).is_file() and (saved / OPTIMIZER_GROUPS).is_file()
+    assert not list(saved.glob("*.bin")) and not list(saved.glob("*.pt"))
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_models / "tiny-sd3")
+    assert_lora_changes_stock_images(pipe, zero, 32, part="transformer")
+
+
+def test_grpo_lora_under_zero2_equals_the_ddp_run(runs):
+    (ddp, _), (zero, _) = runs("grpo-ddp"), runs("grpo-zero2")
+    _assert_close(_lora(zero), _lora(ddp))
+    _assert_close(_lora(zero / "checkpoint-1"), _lora(ddp / "checkpoint-1"))
+    assert any(not torch.equal(v, _lora(zero / "checkpoint-1")[k]) for k, v in _lora(zero).items())
+
+
+def test_killed_zero2_run_resumes_to_the_uninterrupted_weights(runs, tiny_models, tmp_path):
+    """GRPO under ZeRO-2, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
+    equals the uninterrupted ZeRO-2 run's bit for bit."""
+    reference, _ = runs("grpo-zero2")
+    out = tmp_path / "killed"
+    flags = _grpo_flags(tiny_models, out, *ZERO2)
+    kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
+    assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    r = _run("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
+    resumed, uninterrupted = _lora(out), _lora(reference)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+# --reward test_deepspeed:nan_grad_after_first (this folder on PYTHONPATH): finite rewards, a NaN gradient from the
+# second call of each process on
+_CALLS = [0]
+
+
+def nan_grad_after_first(images, prompts, metadata):
+    _CALLS[0] += 1
+    rewards = images.float().mean(dim=(1, 2, 3))
+    if _CALLS[0] > 1:  # d sqrt(x) / dx at 0, times 0
+        rewards = rewards + (images.float().sum() * 0).sqrt()
+    return rewards, {}
+
+
+nan_grad_after_first.differentiable = True
+
+
+def test_a_nan_gradient_under_zero2_stops_before_the_update_in_one_line(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        *ZERO2,
+        model="tiny-sd3",
+        reward="test_deepspeed:nan_grad_after_first",
+        num_inference_steps=3,
+        k_lo=1,
+        k_hi=2,
+        train_batch_size=2,
+        max_train_steps=2,
+        checkpointing_steps=1,
+        device="cpu",
+        report_to="none",
+    )
+    env = script_env(NUM_PROCESSES="2", PYTHONPATH=f"{REPO / 'tests'}:{script_env().get('PYTHONPATH', '')}")
+    r = run_script("train_refl_lora.sh", flags, env, timeout=400)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and last.startswith("error: the gradient norm is inf at step 2"), r.stderr[
+        -3000:
+    ]
+    assert "checkpoint-1 stays the newest" in last
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert not (out / LORA_WEIGHTS_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--deepspeed_zero", "3"], "--deepspeed_zero 3 empties every weight outside a forward"),
+        (["--deepspeed_zero", "2", "--fsdp"], "--deepspeed_zero and --fsdp are two engines"),
+        (
+            ["--deepspeed_zero", "2"],
+            "--deepspeed_zero partitions the optimizer state over several processes but",
+        ),
+    ],
+)
+def test_zero3_zero2_with_fsdp_and_zero2_on_one_process_are_one_line_before_loading(
+    extra, says, tiny_models, tmp_path
+):
+    flags = trainer_flags(
+        tiny_models, tmp_path / "x", *extra, model="tiny-sd3", device="cpu", report_to="none"
+    )
+    r = run_script("train_grpo.sh", flags, script_env(), timeout=120)
+    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("running ")]
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "x" / "run.json").exists(), "the folder is given back"
+
+
+def test_accelerate_config_file_names_the_settings_of_the_flag():
+    """train_scripts/accelerate/deepspeed_zero2.yaml names what --deepspeed_zero 2 builds (refl_ddpo.zero)."""
+    import yaml
+
+    from refl_ddpo.zero import deepspeed_config
+
+    shipped = yaml.safe_load((REPO / "train_scripts" / "accelerate" / "deepspeed_zero2.yaml").read_text())
+    assert shipped["distributed_type"] == "DEEPSPEED"
+    ds = shipped["deepspeed_config"]
+    built = deepspeed_config(2, micro_batch=2, accumulation=3, max_grad_norm=0.5, mixed_precision="bf16")
+    assert ds["zero_stage"] == built["zero_optimization"]["stage"] == 2
+    assert ds["offload_optimizer_device"] == ds["offload_param_device"] == "none"
+    assert (
+        "offload_optimizer" not in built["zero_optimization"]
+        and "offload_param" not in built["zero_optimization"]
+    )
+    assert ds["zero3_init_flag"] is False
+    assert shipped["mixed_precision"] == "bf16" and built["bf16"] == {"enabled": True}
+    assert built["fp16"] == {"enabled": False}
+    assert (built["train_micro_batch_size_per_gpu"], built["gradient_accumulation_steps"]) == (2, 3)
+    assert built["gradient_clipping"] == 0.5
