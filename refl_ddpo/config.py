@@ -260,6 +260,12 @@ class CommonConfig(ConfigBase):
         False,
         "With --fsdp: keep the shards and their optimizer state on the CPU between uses (slower, less GPU).",
     )
+    fsdp_shard_text_encoders: bool = field_(
+        False,
+        "With --fsdp: shard the frozen text encoders too (FSDP2 per block, resharded after each encode), so each GPU "
+        "holds 1/N of them (FLUX.1's T5-XXL + CLIP-L: about 9.1 GiB in bf16 whole; Qwen-Image's Qwen2.5-VL: about "
+        "15.4 GiB). Every process takes part in each encode. Not with --offload_text_encoders (pick one).",
+    )
     checkpointing_steps: int = field_(
         0,
         "Save accelerate state to output_dir/checkpoint-N every N steps (0 = off).",
@@ -355,6 +361,13 @@ class CommonConfig(ConfigBase):
         if self.fsdp_checkpoint != "gathered" and not self.fsdp:
             raise UserError(
                 f"--fsdp_checkpoint {self.fsdp_checkpoint} writes FSDP's shards: add --fsdp (or drop it)."
+            )
+        if self.fsdp_shard_text_encoders and not self.fsdp:
+            raise UserError("--fsdp_shard_text_encoders shards them with FSDP: add --fsdp (or drop it).")
+        if self.fsdp_shard_text_encoders and self.offload_text_encoders:
+            raise UserError(
+                "--fsdp_shard_text_encoders and --offload_text_encoders both move the text encoders off the GPU: "
+                "pick one."
             )
         if self.hub_model_id is not None and not self.push_to_hub:
             raise UserError("--hub_model_id names the repo of --push_to_hub: add --push_to_hub (or drop it).")

@@ -129,6 +129,15 @@ def run_script(name: str, args: list[str], env: dict | None = None, timeout: int
     )
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def kill_after(folder: Path, name: str, args: list[str]) -> None:
     """Start train_scripts/NAME ARGS on two processes and kill its whole process group with -9 once `folder` (a
     checkpoint) is there."""
@@ -236,6 +245,10 @@ FSDP_RUNS = {
     "grpo-fsdp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, "--fsdp")),
     "refl-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_VALIDATION)),
     "refl-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_VALIDATION)),
+    "refl-fsdp-te": (
+        "train_refl_lora.sh",
+        lambda m, out: refl_flags(m, out, "--fsdp", "--fsdp_shard_text_encoders", *FSDP_VALIDATION),
+    ),
     "refl-fsdp-shards": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
     "full-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL)),
     "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_FULL)),

@@ -18,13 +18,14 @@ from helpers import (
     FSDP_TOL,
     assert_close,
     assert_lora_changes_stock_images,
+    free_port,
     kill_after,
     refl_flags,
     run_two,
     saved_lora,
 )
 
-from refl_ddpo.lora import FULL_UNET_DIR, LORA_WEIGHTS_NAME
+from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
 from refl_ddpo.sharding import SHARDS_DIR, peft_keys_to_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
@@ -113,3 +114,64 @@ def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weight
     assert json.loads((out / "checkpoint-3" / "train_state.json").read_text()) == json.loads(
         (reference / "checkpoint-3" / "train_state.json").read_text()
     )
+
+
+# ---- --fsdp_shard_text_encoders: the frozen text encoders sharded per block too ----
+
+
+def _equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _encode_sharded(rank: int, tiny_models, port: int) -> None:
+    """One of two processes over gloo (torch.multiprocessing.spawn): each family's text encoders, loaded sharded,
+    hold about half of their weights on this process, encode (the prompts, the negative, `empty_cond`) as the
+    whole ones in this process bit for bit, and are resharded after each encode. The two processes encode other
+    prompts, other counts of them (the all-gathers do not depend on the input)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from refl_ddpo.families import load_family
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    prompts = [["a red cube", "two blue spheres on a table"], ["a green pyramid"]][rank]
+    try:
+        for model in ("tiny-flux", "tiny-qwen-image"):  # tiny SD3's (two CLIPs and T5): the run below
+            whole = load_family(str(tiny_models / model))
+            sharded = load_family(str(tiny_models / model), shard_text_encoders=True)
+            params = [p for m in sharded.text_encoders() for p in m.parameters()]
+            assert params and all(isinstance(p, DTensor) for p in params), model
+            held, total = sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+            assert abs(held / total - 0.5) < 0.01, (model, held, total)
+            for with_negative in (False, True):
+                a = whole.encode_prompts(prompts, with_negative)
+                b = sharded.encode_prompts(prompts, with_negative)
+                assert _equal(a[0], b[0]) and _equal(a[1], b[1]), (model, with_negative)
+            assert _equal(whole.empty_cond(), sharded.empty_cond()), model
+            assert all(isinstance(p, DTensor) for p in sharded.text_encoders()[0].parameters())  # resharded
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_text_encoders_encode_as_the_whole_ones(tiny_models):
+    """FLUX.1's CLIP and T5 and Qwen-Image's Qwen2.5-VL, sharded per block over two processes
+    (`refl_ddpo.sharding.shard_frozen`): the same conditioning as unsharded, bit for bit (`_encode_sharded`)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_encode_sharded, args=(tiny_models, free_port()), nprocs=2)
+
+
+def test_refl_lora_with_sharded_text_encoders_equals_the_run_without(fsdp_runs):
+    """ReFL LoRA on tiny SD3 (two CLIPs and T5) under --fsdp with validation, --fsdp_shard_text_encoders added: the
+    final LoRA and checkpoint-2 of the run without it, to 1e-5; the saved config carries the flag."""
+    (whole, rw), (sharded, rs) = fsdp_runs("refl-fsdp"), fsdp_runs("refl-fsdp-te")
+    assert_close(saved_lora(sharded), saved_lora(whole))
+    assert_close(saved_lora(sharded / "checkpoint-2"), saved_lora(whole / "checkpoint-2"))
+    assert rs.stdout.count("validation after step") == rw.stdout.count("validation after step") == 3
+    assert json.loads((sharded / CONFIG_NAME).read_text())["fsdp_shard_text_encoders"] is True

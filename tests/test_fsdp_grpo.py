@@ -6,7 +6,6 @@ in one line before anything loads (see tests/test_fsdp.py for ReFL)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from helpers import (
     REPO,
     assert_close,
+    free_port,
     grpo_flags,
     kill_after,
     run_script,
@@ -57,19 +57,13 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(fsdp_runs, tiny_mo
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_machines_on_one_host_train_one_run(fsdp_runs, tiny_models, tmp_path):
     """Two launchers, machines 0 and 1 over 127.0.0.1, one process each, --fsdp across them: one result, the same
     weights as the two processes of one machine."""
     reference, _ = fsdp_runs("grpo-ddp")
     out = tmp_path / "two-machines"
     flags = grpo_flags(tiny_models, out, "--fsdp")
-    common = {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(_free_port())}
+    common = {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}
     procs = [
         subprocess.Popen(
             ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
@@ -121,7 +115,7 @@ def test_machine_settings_are_checked_in_one_line_before_anything_starts(env, sa
 def test_a_machine_that_never_meets_machine_0_is_one_line(tiny_models, tmp_path):
     """Machine 1 alone: the rendezvous times out (RENDEZVOUS_TIMEOUT) and says so in one line, exit 2."""
     env = {"NUM_MACHINES": "2", "MACHINE_RANK": "1", "MAIN_PROCESS_IP": "127.0.0.1"}
-    env |= {"MAIN_PROCESS_PORT": str(_free_port()), "RENDEZVOUS_TIMEOUT": "2"}
+    env |= {"MAIN_PROCESS_PORT": str(free_port()), "RENDEZVOUS_TIMEOUT": "2"}
     r = run_script("train_grpo.sh", grpo_flags(tiny_models, tmp_path / "x"), script_env(**env), timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("launching ")]
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
@@ -140,6 +134,12 @@ def test_a_machine_that_never_meets_machine_0_is_one_line(tiny_models, tmp_path)
         ),
         ("train_refl_lora.sh", ["--fsdp", "--no-use_lora", "--use_ema"], "drop --use_ema or --fsdp"),
         ("train_nft.sh", ["--fsdp"], "DiffusionNFT and AWM keep a copy"),
+        ("train_refl_lora.sh", ["--fsdp_shard_text_encoders"], "shards them with FSDP: add --fsdp"),
+        (
+            "train_refl_lora.sh",
+            ["--fsdp", "--fsdp_shard_text_encoders", "--offload_text_encoders"],
+            "--fsdp_shard_text_encoders and --offload_text_encoders both move",
+        ),
     ],
 )
 def test_fsdp_settings_that_cannot_work_are_one_line_before_loading(
