@@ -585,7 +585,8 @@ def memory_table(results: dict) -> str:
             "block and the root through accelerate's prepare, fp32 master weights, bf16 compute, fp32 gradient "
             "reduction), run in one process over torch's fake process group; its shards, gradients and optimizer "
             "states are 1/N each, and the blocks FSDP2 all-gathers for forward and backward are counted as it "
-            "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank."
+            "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank"
+            + (", the text encoders excepted (below)." if meta.get("fsdp_shard_text_encoders") else ".")
         )
     if meta.get("fsdp_shard_text_encoders"):
         notes.append(
