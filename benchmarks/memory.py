@@ -495,7 +495,18 @@ def offload_text_encoders(mem: PeakMemory, family, nbytes: int) -> None:
 
 def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     """Peak device bytes of one case, counted as the timed runs measure it: setup, one warm-up run, reset of the
-    peak, one run."""
+    peak, one run. Sharded, accelerate's process state is given back afterwards (`release_fsdp_state`): what runs
+    next in this process (a test) does not inherit the FSDP setting."""
+    try:
+        return _case_memory(cfg, configs, workdir, case)
+    finally:
+        if cfg.fsdp_world_size:
+            from refl_ddpo.sharding import release_fsdp_state
+
+            release_fsdp_state()
+
+
+def _case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     t0 = time.perf_counter()
     ranks = cfg.fsdp_world_size
     with fake_ranks(ranks) if ranks else contextlib.nullcontext(), cuda_on_meta(), PeakMemory() as mem:
