@@ -25,9 +25,6 @@ torch.set_num_threads(1)
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones
 # (pyproject's --no-loadscope-reorder keeps this order: xdist would otherwise start the files with the most tests).
 LONG_FIRST = (
-    "test_fsdp",  # the three FSDP files: the longest of the suite (two-process runs), about 3 minutes each
-    "test_fsdp_full",
-    "test_fsdp_grpo",
     "test_toy_learning_sd3",
     "test_toy_learning_grpo",
     "test_toy_learning",
