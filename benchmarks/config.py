@@ -140,6 +140,11 @@ class BenchConfig(ConfigBase):
         "With --memory_only: count the kit's --offload_text_encoders on the FLUX.1 cases: the text encoders' "
         "weights count on the device only while the prompts are encoded (see benchmarks/memory.py).",
     )
+    fsdp_shard_text_encoders: bool = field_(
+        False,
+        "With --fsdp_world_size: count the kit's --fsdp_shard_text_encoders on the FLUX.1 cases: the text "
+        "encoders sharded per block with fully_shard as the kit does, 1/N of them per rank.",
+    )
     # ---- sweep ----
     sweep: bool = field_(
         False,
@@ -202,6 +207,10 @@ class BenchConfig(ConfigBase):
             )
         if self.fsdp_world_size and not self.memory_only:
             raise UserError("--fsdp_world_size counts memory only: add --memory_only.")
+        if self.fsdp_shard_text_encoders and not self.fsdp_world_size:
+            raise UserError("--fsdp_shard_text_encoders counts them sharded: add --fsdp_world_size N.")
+        if self.fsdp_shard_text_encoders and self.offload_text_encoders:
+            raise UserError("--fsdp_shard_text_encoders and --offload_text_encoders: pick one.")
 
     @property
     def cases(self) -> list[str]:

@@ -35,7 +35,9 @@ per `_no_split_modules` block and the root, trained tensors upcast to fp32 maste
 gradient reduction). So the count holds 1/N of every parameter (rank 0's padded chunk), of the gradients and AdamW
 states, each block's bf16 parameters while FSDP2 has them all-gathered (its storage resized in place: `PeakMemory`
 follows `UntypedStorage.resize_`), the unsharded gradients and their fp32 copies before the reduce-scatter, and
-the activations. Frozen parts (text encoders, VAE, reward) are whole, as the kit keeps them. Two fixes for the meta
+the activations. Frozen parts (text encoders, VAE, reward) are whole, as the kit keeps them by default; with
+`--fsdp_shard_text_encoders` (FLUX.1 cases, and benchmarks/qwen_memory.py's) the text encoders are sharded after
+setup by the kit's own `refl_ddpo.sharding.shard_frozen` and counted as FSDP2 allocates them. Two fixes for the meta
 device only: accelerate maps the optimizer's parameters to the sharded ones by `data_ptr`, 0 for every meta tensor,
 so `MetaBench.prepare` points them at the sharded parameters in order (what the mapping gives on a GPU), and a
 `gc.collect()` after setup drops the unsharded parameters fully_shard replaced (reference cycles the collector frees
@@ -493,7 +495,18 @@ def offload_text_encoders(mem: PeakMemory, family, nbytes: int) -> None:
 
 def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     """Peak device bytes of one case, counted as the timed runs measure it: setup, one warm-up run, reset of the
-    peak, one run."""
+    peak, one run. Sharded, accelerate's process state is given back afterwards (`release_fsdp_state`): what runs
+    next in this process (a test) does not inherit the FSDP setting."""
+    try:
+        return _case_memory(cfg, configs, workdir, case)
+    finally:
+        if cfg.fsdp_world_size:
+            from refl_ddpo.sharding import release_fsdp_state
+
+            release_fsdp_state()
+
+
+def _case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case: Case) -> dict:
     t0 = time.perf_counter()
     ranks = cfg.fsdp_world_size
     with fake_ranks(ranks) if ranks else contextlib.nullcontext(), cuda_on_meta(), PeakMemory() as mem:
@@ -503,8 +516,14 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
 
             hold_fsdp_state(b.accelerator, fsdp_plugin(b.accelerator.mixed_precision))
         run, _ = case.setup(b)
-        gc.collect()  # the unsharded parameters that fully_shard replaced sit in reference cycles
         te = getattr(b, "text_encoder_bytes", None)  # set by the FLUX.1 cases
+        sharded_te = bool(ranks) and cfg.fsdp_shard_text_encoders and te is not None
+        if sharded_te:  # the kit's --fsdp_shard_text_encoders (refl_ddpo.families.load_family)
+            from refl_ddpo.sharding import shard_frozen
+
+            for module in b.text_encoder_family.text_encoders():
+                shard_frozen(module)
+        gc.collect()  # the unsharded parameters that fully_shard replaced sit in reference cycles
         offloaded = cfg.offload_text_encoders and te is not None
         if offloaded:
             offload_text_encoders(mem, b.text_encoder_family, te)
@@ -525,6 +544,8 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
         }
         if offloaded:
             result["text_encoders_offloaded"] = True
+        elif sharded_te:
+            result["text_encoders_sharded"] = True
         elif te is not None:
             result["text_encoder_bytes"] = te
             result["peak_text_encoders_offloaded_bytes"] = mem.peak - te
@@ -575,7 +596,14 @@ def memory_table(results: dict) -> str:
             "block and the root through accelerate's prepare, fp32 master weights, bf16 compute, fp32 gradient "
             "reduction), run in one process over torch's fake process group; its shards, gradients and optimizer "
             "states are 1/N each, and the blocks FSDP2 all-gathers for forward and backward are counted as it "
-            "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank."
+            "allocates them. Frozen parts (text encoders, VAE, reward) stay whole on every rank"
+            + (", the text encoders excepted (below)." if meta.get("fsdp_shard_text_encoders") else ".")
+        )
+    if meta.get("fsdp_shard_text_encoders"):
+        notes.append(
+            "--fsdp_shard_text_encoders (the FLUX.1 cases): the text encoders sharded like the network (fully_shard "
+            "per block and the root, resharded after forward), 1/N per rank, each block all-gathered while it "
+            "encodes; counted (not derived)."
         )
     if meta.get("offload_text_encoders"):
         notes.append(
@@ -621,6 +649,7 @@ def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:
             "gradient_checkpointing": cfg.gradient_checkpointing,
             "fsdp_world_size": cfg.fsdp_world_size,
             "offload_text_encoders": cfg.offload_text_encoders,
+            "fsdp_shard_text_encoders": cfg.fsdp_shard_text_encoders,
             "options": dataclasses.asdict(cfg),
         },
         "cases": [],

@@ -144,6 +144,9 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str 
         family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device, mode)
         if text_encoder_on_device:
             b.text_encoder_bytes = _text_encoder_bytes(family)
+            b.text_encoder_family = (
+                family  # for the count of --fsdp_shard_text_encoders (benchmarks/memory.py)
+            )
         scheduler = family.rollout_scheduler("ddpm")
         reward_model = b.build("reward")
         base = family.network
@@ -208,7 +211,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="count rank 0 of this many with the transformer sharded by the kit's FSDP2 (bench.py's flag)",
     )
+    parser.add_argument(
+        "--fsdp_shard_text_encoders",
+        action="store_true",
+        help="with --fsdp_world_size: the text encoder sharded too (the kit's flag; --text_encoder on)",
+    )
     args = parser.parse_args(argv)
+    if args.fsdp_shard_text_encoders and not (args.fsdp_world_size and args.text_encoder == "on"):
+        parser.error("--fsdp_shard_text_encoders needs --fsdp_world_size N and --text_encoder on")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = qwen_configs()
@@ -220,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         "resolution": args.resolution,
         "dtype": "bf16",
         "fsdp_world_size": args.fsdp_world_size,
+        "fsdp_shard_text_encoders": args.fsdp_shard_text_encoders,
         "cases": [],
     }
     lines = [
@@ -240,7 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fsdp_world_size:
         notes.append(
             f"Per rank, rank 0 of {args.fsdp_world_size}: the transformer sharded with the kit's FSDP2 (--fsdp; see "
-            "benchmarks/memory.py); the text encoder, VAE and ImageReward whole on every rank."
+            "benchmarks/memory.py); the VAE and ImageReward whole on every rank, the text encoder "
+            + (
+                "sharded too (--fsdp_shard_text_encoders: fully_shard per block and the root, counted)."
+                if args.fsdp_shard_text_encoders
+                else "whole."
+            )
         )
     footer = "\n" + "".join(f"- {n}\n" for n in notes)
     checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
@@ -257,11 +273,14 @@ def main(argv: list[str] | None = None) -> dict:
                 gradient_checkpointing=gc,
                 memory_only=True,
                 fsdp_world_size=args.fsdp_world_size,
+                fsdp_shard_text_encoders=args.fsdp_shard_text_encoders,
             )
             for mode in args.modes:
                 for te in on_device:
                     r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs, te, mode))
                     r["gradient_checkpointing"] = gc
+                    if r.get("text_encoders_sharded"):
+                        r["name"] = r["name"].replace("on the device", "sharded")
                     results["cases"].append(r)
                     off = r.get("peak_text_encoders_offloaded_bytes")
                     lines.append(

@@ -244,9 +244,9 @@ class CommonConfig(ConfigBase):
     fsdp: bool = field_(
         False,
         "Shard the trained network per block over the processes with FSDP2 (accelerate's FSDP plugin): fp32 master "
-        "weights, --mixed_precision compute, gradients reduced in fp32; text encoders, VAE and rewards stay whole. "
-        "Final weights are written gathered, as without it; checkpoints as --fsdp_checkpoint says. See "
-        "docs/multi_gpu.md.",
+        "weights, --mixed_precision compute, gradients reduced in fp32; text encoders (but with "
+        "--fsdp_shard_text_encoders), VAE and rewards stay whole. Final weights are written gathered, as without it; "
+        "checkpoints as --fsdp_checkpoint says. See docs/multi_gpu.md.",
     )
     fsdp_checkpoint: Literal["gathered", "sharded"] = field_(
         "gathered",
@@ -266,6 +266,12 @@ class CommonConfig(ConfigBase):
         "optimizer state and gradients partitioned over the processes, the weights whole on each; clipping at "
         "--max_grad_norm by DeepSpeed. Stage 3 is refused (use --fsdp). Needs deepspeed (requirements.txt). See "
         "docs/multi_gpu.md.",
+    )
+    fsdp_shard_text_encoders: bool = field_(
+        False,
+        "With --fsdp: shard the frozen text encoders too (FSDP2 per block, resharded after each encode), so each GPU "
+        "holds 1/N of them (FLUX.1's T5-XXL + CLIP-L: about 9.1 GiB in bf16 whole; Qwen-Image's Qwen2.5-VL: about "
+        "15.4 GiB). Every process takes part in each encode. Not with --offload_text_encoders (pick one).",
     )
     checkpointing_steps: int = field_(
         0,
@@ -362,6 +368,13 @@ class CommonConfig(ConfigBase):
         if self.fsdp_checkpoint != "gathered" and not self.fsdp:
             raise UserError(
                 f"--fsdp_checkpoint {self.fsdp_checkpoint} writes FSDP's shards: add --fsdp (or drop it)."
+            )
+        if self.fsdp_shard_text_encoders and not self.fsdp:
+            raise UserError("--fsdp_shard_text_encoders shards them with FSDP: add --fsdp (or drop it).")
+        if self.fsdp_shard_text_encoders and self.offload_text_encoders:
+            raise UserError(
+                "--fsdp_shard_text_encoders and --offload_text_encoders both move the text encoders off the GPU: "
+                "pick one."
             )
         check_deepspeed(self.deepspeed_zero, self.fsdp)
         if self.hub_model_id is not None and not self.push_to_hub:

@@ -4,7 +4,8 @@ accelerate's `FullyShardedDataParallelPlugin(fsdp_version=2)` wraps every block 
 `_no_split_modules` (SD3's JointTransformerBlock, FLUX.1's two block kinds, the UNet's attention and resnet blocks)
 and the root in torch's `fully_shard`. The trained weights are the fp32 master copy; with --mixed_precision bf16|fp16
 the blocks compute in that dtype and reduce gradients in fp32 (`MixedPrecisionPolicy`). The frozen parts (text
-encoders, VAE, rewards) stay whole on every process.
+encoders, VAE, rewards) stay whole on every process; with --fsdp_shard_text_encoders the text encoders are sharded
+too (`shard_frozen`: fully_shard per block and the root, for inference under no_grad).
 
 Every process loads the network into host memory and keeps it there through LoRA and the fp32 upcast
 (`training.load_trainable_family`); `prepare`'s fully_shard moves it to the device block by block and keeps only the
@@ -57,6 +58,23 @@ def fsdp_plugin(mixed_precision: str, cpu_offload: bool = False):
         cpu_ram_efficient_loading=False,  # every process has loaded the model (on the host): nothing to broadcast
         activation_checkpointing=False,  # --gradient_checkpointing: the network's own, which composes with FSDP2
     )
+
+
+def shard_frozen(module: torch.nn.Module) -> torch.nn.Module:
+    """Shard a frozen module (a text encoder) over the processes with torch's FSDP2 `fully_shard`: each block its
+    class names in `_no_split_modules` (transformers' own list: CLIPEncoderLayer, T5Block, Qwen2_5_VLDecoderLayer
+    ...), innermost first, then the root, each resharded after its forward. Between forwards a process holds 1/N of
+    the weights on the device; a forward all-gathers one block at a time (a collective: every process must run it).
+    The module must be on the host or the device; fully_shard moves each shard to the device of the default mesh
+    (the one accelerate's prepare uses for the network)."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(module, "_no_split_modules", None) or ())
+    for sub in reversed(list(module.modules())):  # descendants before their ancestors
+        if sub is not module and type(sub).__name__ in blocks:
+            fully_shard(sub, reshard_after_forward=True)
+    # explicit: the root reshards too (left to default, the root keeps its weights gathered for the backward)
+    return fully_shard(module, reshard_after_forward=True)
 
 
 def hold_fsdp_state(accelerator, plugin) -> None:

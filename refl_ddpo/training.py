@@ -229,6 +229,7 @@ def load_trainable_family(
     *,
     drop_t5: bool = False,
     offload_text_encoders: bool = False,
+    shard_text_encoders: bool = False,
 ):
     """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
     accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
@@ -238,7 +239,9 @@ def load_trainable_family(
     `accelerator.prepare` (FSDP2's fully_shard, block by block) moves it to the device and keeps only this process'
     shard there, so no GPU ever holds the whole network; the frozen parts go to the device as without sharding.
     `offload_text_encoders` (--offload_text_encoders): the text encoders stay on the CPU and visit the device only
-    while they encode (`ModelFamily.text_encoders_on_device`)."""
+    while they encode (`ModelFamily.text_encoders_on_device`). `shard_text_encoders` (--fsdp_shard_text_encoders):
+    they come from the host sharded per block like the network (`refl_ddpo.sharding.shard_frozen`), 1/N on each
+    device."""
     from refl_ddpo.families import load_family
     from refl_ddpo.sharding import is_sharded
 
@@ -250,6 +253,7 @@ def load_trainable_family(
         drop_t5=drop_t5,
         network_on_host=is_sharded(accelerator),
         offload_text_encoders=offload_text_encoders,
+        shard_text_encoders=shard_text_encoders,
     )
     targets = list(trainable.target_modules or family.lora_target_modules)
     params = make_trainable(family.network, trainable, targets)

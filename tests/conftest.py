@@ -95,3 +95,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{'LoRA sha256' if name == 'lora_sha256' else 'held out'} {value}  {nodeid}"
         )
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_models, tmp_path_factory):
+    """Each named two-process run of helpers.FSDP_RUNS once per test file: run(name) -> (output folder, completed
+    process)."""
+    from helpers import FSDP_RUNS, run_two
+
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            out = tmp_path_factory.mktemp(name) / "run"
+            script, flags = FSDP_RUNS[name]
+            done[name] = out, run_two(script, flags(tiny_models, out))
+        return done[name]
+
+    return run

@@ -129,6 +129,15 @@ def run_script(name: str, args: list[str], env: dict | None = None, timeout: int
     )
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def kill_after(folder: Path, name: str, args: list[str]) -> None:
     """Start train_scripts/NAME ARGS on two processes and kill its whole process group with -9 once `folder` (a
     checkpoint) is there."""
@@ -165,3 +174,106 @@ def assert_lora_moves_the_scores(
     compare.run_compare(str(before), str(after), str(tmp / "cmp"))
     result = json.loads((tmp / "cmp" / "compare.json").read_text())
     assert result["count"] == 2 and result["mean_difference"] != 0
+
+
+# ---- two-process runs under FSDP (tests/test_fsdp*.py; conftest.py's `fsdp_runs` runs each named one once a file) ----
+
+FSDP_TOL = 1e-5
+# validation: every process draws (a sharded network needs all of them in each forward), the main one writes
+FSDP_VALIDATION = (
+    "--gradient_checkpointing",
+    *("--validation_prompts_file", "toy_world_heldout", "--validation_steps", "2"),
+    *("--num_validation_images", "1", "--validation_num_steps", "2"),
+)
+FSDP_FULL = ("--no-use_lora", "--learning_rate", "1e-3")
+# --fsdp_checkpoint sharded: checkpoint-1, -2 and -3, the last two kept
+FSDP_SHARDS = (
+    *("--fsdp", *FSDP_VALIDATION, "--fsdp_checkpoint", "sharded"),
+    *("--checkpointing_steps", "1", "--checkpoints_total_limit", "2"),
+)
+
+
+def grpo_flags(tiny_models: Path, out: Path, *extra: str) -> list[str]:
+    """GRPO on tiny SD3, 2 processes x 2 samples in groups of 2, an SDE window of 2, beta; 2 epochs, a checkpoint
+    after each."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        "--global_std",
+        *extra,
+        model="tiny-sd3",
+        sample_num_steps=4,
+        sample_batch_size=2,
+        sample_num_batches_per_epoch=1,
+        train_batch_size=2,
+        group_size=2,
+        sde_window=2,
+        beta="0.04",
+        learning_rate="3e-2",
+        num_epochs=2,
+        save_freq=1,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+def refl_flags(tiny_models: Path, out: Path, *extra: str, model: str = "tiny-sd3") -> list[str]:
+    """ReFL, 3 steps of 2 micro-batches of 2 per process, checkpoint-2."""
+    return trainer_flags(
+        tiny_models,
+        out,
+        *extra,
+        model=model,
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate="3e-2",
+        max_train_steps=3,
+        checkpointing_steps=2,
+        device="cpu",
+        report_to="none",
+        lora_init="random",
+    )
+
+
+# the runs `fsdp_runs` knows: name -> (script, its flags for (tiny_models, out))
+FSDP_RUNS = {
+    "grpo-ddp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out)),
+    "grpo-fsdp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, "--fsdp")),
+    "refl-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_VALIDATION)),
+    "refl-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_VALIDATION)),
+    "refl-fsdp-te": (
+        "train_refl_lora.sh",
+        lambda m, out: refl_flags(m, out, "--fsdp", "--fsdp_shard_text_encoders", *FSDP_VALIDATION),
+    ),
+    "refl-fsdp-shards": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
+    "full-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL)),
+    "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_FULL)),
+}
+
+
+def run_two(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
+    """train_scripts/SCRIPT ARGS on two processes (`env` added), which must succeed."""
+    r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def assert_close(a: dict, b: dict, tol: float = FSDP_TOL) -> float:
+    """The same non-empty set of tensors, each within `tol` (max abs); returns the worst difference."""
+    assert a.keys() == b.keys() and a
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+def saved_lora(folder: Path) -> dict:
+    """The LoRA tensors a run or checkpoint folder holds."""
+    from safetensors.torch import load_file
+
+    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+
+    return load_file(folder / LORA_WEIGHTS_NAME)

@@ -461,3 +461,48 @@ def test_memory_only_counts_the_text_encoders_offloaded(tmp_path):
     assert kept["peak_bytes"] - te <= off["peak_bytes"] <= kept["peak_bytes"]
     assert off["peak_bytes"] >= off["steady_bytes"] + te  # the encode holds them beside everything else
     assert "--offload_text_encoders" in (tmp_path / "off" / "memory.md").read_text()
+
+
+def test_memory_only_sharded_counts_the_text_encoders_sharded(tmp_path):
+    """--fsdp_shard_text_encoders with --fsdp_world_size 8 (the tiny FLUX.1-dev's ReFL LoRA step): the text encoders
+    sharded by the kit's shard_frozen, rank 0 holding each parameter's padded 1/8 row chunk (buffers whole) in place
+    of the whole, before and through the run."""
+    import math
+
+    import torch
+
+    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.models import construct, flux_configs
+
+    def count(*extra: str) -> dict:
+        argv = [
+            "--memory_only",
+            "--tiny",
+            "--only",
+            "flux_refl",
+            "--refl_modes",
+            "lora",
+            "--refl_batch_sizes",
+        ]
+        argv += ["1", "--refl_steps", "2", "--refl_k", "1", "--fsdp_world_size", "8", *extra]
+        argv += ["--out", str(tmp_path / str(len(extra)))]
+        return run_memory_only(parse_config(BenchConfig, argv), argv)["cases"][0]
+
+    whole, sharded = count(), count("--fsdp_shard_text_encoders")
+    configs = flux_configs(True, tmp_path / "models")
+    with torch.device("meta"):
+        encoders = [construct(name, configs[name]) for name in ("flux_clip_l", "flux_t5")]
+    shapes = [p.shape for e in encoders for p in e.parameters()]
+    shard = sum(round_block(math.ceil(s[0] / 8) * math.prod(s[1:]) * 2) for s in shapes)  # bf16
+    saved = (
+        whole["text_encoder_bytes"]
+        - shard
+        - sum(round_block(b.numel() * 8) for e in encoders for b in e.buffers())
+    )
+    assert sharded["text_encoders_sharded"] and "text_encoder_bytes" not in sharded
+    assert whole["setup_bytes"] - sharded["setup_bytes"] == saved > 0
+    assert whole["steady_bytes"] - sharded["steady_bytes"] == saved
+    # the tiny step peaks in the encode (tiny T5's activations), which now holds the gathered blocks and FSDP2's
+    # all-gather buffers beside the shards: its peak moves by less than the encoders' weights
+    assert abs(sharded["peak_bytes"] - whole["peak_bytes"]) < whole["text_encoder_bytes"]
+    assert "--fsdp_shard_text_encoders" in (tmp_path / "1" / "memory.md").read_text()

@@ -46,12 +46,15 @@ def load_family(
     drop_t5: bool = False,
     network_on_host: bool = False,
     offload_text_encoders: bool = False,
+    shard_text_encoders: bool = False,
 ) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
     its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
     the CPU (--fsdp: `prepare` puts only its shards on `device`); the other parts go to `device`.
     `offload_text_encoders`: the text encoders stay on the CPU and visit `device` only while they encode
-    (`ModelFamily.text_encoders_on_device`); they are never sharded, so this composes with `network_on_host`."""
+    (`ModelFamily.text_encoders_on_device`); composes with `network_on_host`. `shard_text_encoders`
+    (--fsdp_shard_text_encoders; torch.distributed must run): they are loaded on the host, then sharded per block over
+    the processes (`refl_ddpo.sharding.shard_frozen`), each process' shard on `device`."""
     from refl_ddpo.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
@@ -66,9 +69,14 @@ def load_family(
             f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
     on_host = ((cls.network_name,) if network_on_host else ()) + (
-        TEXT_ENCODER_NAMES if offload_text_encoders else ()
+        TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
     )
     family = cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))
+    if shard_text_encoders:
+        from refl_ddpo.sharding import shard_frozen
+
+        for module in family.text_encoders():
+            shard_frozen(module)
     if offload_text_encoders:
         family.text_encoder_device = device
     return family

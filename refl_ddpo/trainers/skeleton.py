@@ -238,6 +238,7 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
         trainable_spec(cfg),
         drop_t5=cfg.drop_t5,
         offload_text_encoders=cfg.offload_text_encoders,
+        shard_text_encoders=cfg.fsdp_shard_text_encoders,
     )
     cfg = algo.cfg = resolve_resolution(cfg, family, info)
     run = Run(cfg, accelerator, family, params, dtype, info)
