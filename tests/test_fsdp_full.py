@@ -172,7 +172,9 @@ def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts
             assert all(torch.isfinite(p).all() for p in params)
 
 
-def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(tiny_models, tmp_path, monkeypatch):
+def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
+    tiny_models, tmp_path, monkeypatch, request
+):
     """The kit's prepare step (skeleton.prepare) on a full fine-tune of tiny FLUX.1 held on the host, counted with
     the memory bench's tools: rank 0 of 2 fake ranks, the meta device as the GPU (benchmarks.memory.fake_ranks), its
     bytes counted (PeakMemory). fully_shard moves each block whole to the device and keeps the shard: the device
@@ -184,7 +186,7 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(tiny_mode
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     from benchmarks.memory import PeakMemory, fake_ranks, round_block
-    from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state, local
+    from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state, local, release_fsdp_state
     from refl_ddpo.trainers.skeleton import Run, prepare
     from refl_ddpo.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
 
@@ -200,6 +202,8 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(tiny_mode
                 torch.utils.swap_tensors(t, moved)
 
     monkeypatch.setattr(_fsdp_init, "_move_states_to_device", move)
+    # accelerate's process state given back after the test, so that later tests on this worker do not shard
+    request.addfinalizer(release_fsdp_state)
     with fake_ranks(2), PeakMemory() as mem:
         accelerator = make_accelerator(
             1,
