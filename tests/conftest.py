@@ -98,17 +98,17 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tiny_models, tmp_path_factory):
-    """Each named two-process run of helpers.FSDP_RUNS once per test file: run(name) -> (output folder, completed
+def two_process_runs(tiny_models, tmp_path_factory):
+    """Each named two-process run of helpers.TWO_PROCESS_RUNS once per test file: run(name) -> (output folder, completed
     process)."""
-    from helpers import FSDP_RUNS, run_two
+    from helpers import TWO_PROCESS_RUNS, run_two
 
     done = {}
 
     def run(name: str):
         if name not in done:
             out = tmp_path_factory.mktemp(name) / "run"
-            script, flags = FSDP_RUNS[name]
+            script, flags = TWO_PROCESS_RUNS[name]
             done[name] = out, run_two(script, flags(tiny_models, out))
         return done[name]
 

@@ -176,7 +176,7 @@ def assert_lora_moves_the_scores(
     assert result["count"] == 2 and result["mean_difference"] != 0
 
 
-# ---- two-process runs under FSDP (tests/test_fsdp*.py; conftest.py's `fsdp_runs` runs each named one once a file) ----
+# ---- two-process runs under FSDP (tests/test_fsdp*.py; conftest.py's `two_process_runs` runs each named one once a file) ----
 
 FSDP_TOL = 1e-5
 # validation: every process draws (a sharded network needs all of them in each forward), the main one writes
@@ -191,6 +191,10 @@ FSDP_SHARDS = (
     *("--fsdp", *FSDP_VALIDATION, "--fsdp_checkpoint", "sharded"),
     *("--checkpointing_steps", "1", "--checkpoints_total_limit", "2"),
 )
+
+
+CLIPPED = ("--max_grad_norm", "1e-3")
+ZERO2 = ("--deepspeed_zero", "2")
 
 
 def grpo_flags(tiny_models: Path, out: Path, *extra: str) -> list[str]:
@@ -239,8 +243,8 @@ def refl_flags(tiny_models: Path, out: Path, *extra: str, model: str = "tiny-sd3
     )
 
 
-# the runs `fsdp_runs` knows: name -> (script, its flags for (tiny_models, out))
-FSDP_RUNS = {
+# the runs `two_process_runs` knows: name -> (script, its flags for (tiny_models, out))
+TWO_PROCESS_RUNS = {
     "grpo-ddp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out)),
     "grpo-fsdp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, "--fsdp")),
     "refl-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_VALIDATION)),
@@ -252,6 +256,9 @@ FSDP_RUNS = {
     "refl-fsdp-shards": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
     "full-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL)),
     "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_FULL)),
+    # tests/test_deepspeed.py: clipped at 1e-3, so that DeepSpeed's clipping acts (on the second step)
+    "grpo-ddp-clipped": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, *CLIPPED)),
+    "grpo-zero2": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, *CLIPPED, *ZERO2)),
 }
 
 

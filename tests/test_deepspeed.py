@@ -8,95 +8,37 @@ line before the update (DeepSpeed skips the step, the guard sees its inf norm); 
 process are refused in one line before any model loads. On the CPU DeepSpeed's shared-memory op is left out
 (refl_ddpo.zero.without_cpu_comm_op): nothing is compiled."""
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import REPO, assert_lora_changes_stock_images, kill_after, run_script, script_env, trainer_flags
-from safetensors.torch import load_file
+from helpers import (
+    CLIPPED,
+    REPO,
+    ZERO2,
+    assert_close,
+    assert_lora_changes_stock_images,
+    grpo_flags,
+    kill_after,
+    run_script,
+    run_two,
+    saved_lora,
+    script_env,
+    trainer_flags,
+)
 
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
 from refl_ddpo.zero import OPTIMIZER_FILE, OPTIMIZER_GROUPS
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
-TOL = 1e-5
-ZERO2 = ("--deepspeed_zero", "2")
 
-
-def _grpo_flags(tiny_models, out: Path, *extra: str) -> list[str]:
-    """Tiny SD3, 2 processes x 2 samples in groups of 2, an SDE window of 2, beta (the LoRA switched off), the
-    gradient clipped at 1e-3 (so that DeepSpeed's clipping acts); 2 epochs, a checkpoint after each."""
-    return trainer_flags(
-        tiny_models,
-        out,
-        "--global_std",
-        *extra,
-        model="tiny-sd3",
-        sample_num_steps=4,
-        sample_batch_size=2,
-        sample_num_batches_per_epoch=1,
-        train_batch_size=2,
-        group_size=2,
-        sde_window=2,
-        beta="0.04",
-        learning_rate="3e-2",
-        max_grad_norm="1e-3",
-        num_epochs=2,
-        save_freq=1,
-        device="cpu",
-        report_to="none",
-        lora_init="random",
-    )
-
-
-def _run(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
-    r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=400)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def _assert_close(a: dict, b: dict, tol: float = TOL) -> float:
-    assert a.keys() == b.keys() and a
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= tol, worst
-    return worst
-
-
-def _lora(folder: Path) -> dict:
-    return load_file(folder / LORA_WEIGHTS_NAME)
-
-
-_runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory):
-    """Each named two-process run once per module: (output folder, completed process)."""
-
-    def run(name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        if name not in _runs:
-            out = tmp_path_factory.mktemp(name) / "run"
-            script, flags = {
-                "grpo-ddp": ("train_grpo.sh", _grpo_flags(tiny_models, out)),
-                "grpo-zero2": ("train_grpo.sh", _grpo_flags(tiny_models, out, *ZERO2)),
-            }[name]
-            _runs[name] = out, _run(script, flags)
-        return _runs[name]
-
-    yield run
-    _runs.clear()
-
-
-def test_grpo_lora_under_zero2_equals_the_ddp_run_and_loads(runs, tiny_models):
+def test_grpo_lora_under_zero2_equals_the_ddp_run_and_loads(two_process_runs, tiny_models):
     from diffusers import StableDiffusion3Pipeline
 
-    (ddp, _), (zero, r) = runs("grpo-ddp"), runs("grpo-zero2")
+    (ddp, _), (zero, r) = two_process_runs("grpo-ddp-clipped"), two_process_runs("grpo-zero2")
     assert "weights identical on all 2 process(es)" in r.stdout
-    _assert_close(_lora(zero), _lora(ddp))
-    _assert_close(_lora(zero / "checkpoint-1"), _lora(ddp / "checkpoint-1"))
-    assert any(not torch.equal(v, _lora(zero / "checkpoint-1")[k]) for k, v in _lora(zero).items())
+    assert_close(saved_lora(zero), saved_lora(ddp))
+    assert_close(saved_lora(zero / "checkpoint-1"), saved_lora(ddp / "checkpoint-1"))
+    assert any(not torch.equal(v, saved_lora(zero / "checkpoint-1")[k]) for k, v in saved_lora(zero).items())
     # ours, not DeepSpeed's pickled engine state: the optimizer gathered as safetensors
     saved = zero / "checkpoint-1"
     assert (saved / OPTIMIZER_FILE).is_file() and (saved / OPTIMIZER_GROUPS).is_file()
@@ -105,17 +47,17 @@ def test_grpo_lora_under_zero2_equals_the_ddp_run_and_loads(runs, tiny_models):
     assert_lora_changes_stock_images(pipe, zero, 32, part="transformer")
 
 
-def test_killed_zero2_run_resumes_to_the_uninterrupted_weights(runs, tiny_models, tmp_path):
+def test_killed_zero2_run_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
     """GRPO under ZeRO-2, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
     equals the uninterrupted ZeRO-2 run's bit for bit."""
-    reference, _ = runs("grpo-zero2")
+    reference, _ = two_process_runs("grpo-zero2")
     out = tmp_path / "killed"
-    flags = _grpo_flags(tiny_models, out, *ZERO2)
+    flags = grpo_flags(tiny_models, out, *CLIPPED, *ZERO2)
     kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
     assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
-    r = _run("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    r = run_two("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
-    resumed, uninterrupted = _lora(out), _lora(reference)
+    resumed, uninterrupted = saved_lora(out), saved_lora(reference)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 

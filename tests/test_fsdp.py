@@ -32,9 +32,9 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
 def test_refl_lora_under_fsdp_with_validation_and_checkpointing_equals_the_unsharded_run(
-    fsdp_runs, tiny_models
+    two_process_runs, tiny_models
 ):
-    (ddp, rd), (fsdp, rf) = fsdp_runs("refl-ddp"), fsdp_runs("refl-fsdp")
+    (ddp, rd), (fsdp, rf) = two_process_runs("refl-ddp"), two_process_runs("refl-fsdp")
     assert_close(saved_lora(fsdp), saved_lora(ddp))
     assert_close(saved_lora(fsdp / "checkpoint-2"), saved_lora(ddp / "checkpoint-2"))
     assert rf.stdout.count("validation after step") == rd.stdout.count("validation after step") == 3
@@ -47,16 +47,16 @@ def test_refl_lora_under_fsdp_with_validation_and_checkpointing_equals_the_unsha
                 assert abs(a[key] - b[key]) <= FSDP_TOL, (name, key)
 
 
-def test_fsdp_lora_loads_in_the_stock_pipeline(fsdp_runs, tiny_models):
+def test_fsdp_lora_loads_in_the_stock_pipeline(two_process_runs, tiny_models):
     from diffusers import StableDiffusion3Pipeline
 
-    fsdp, _ = fsdp_runs("refl-fsdp")
+    fsdp, _ = two_process_runs("refl-fsdp")
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_models / "tiny-sd3")
     assert_lora_changes_stock_images(pipe, fsdp, 32, part="transformer")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
-def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathered_runs(fsdp_runs):
+def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathered_runs(two_process_runs):
     """--fsdp_checkpoint sharded: checkpoint-N holds each process' DCP shards (listed in checkpoint.json), no gathered
     weights or optimizer; read whole in one process (DCP reshards), they are the gathered run's checkpoint-2 LoRA bit
     for bit; resuming with another process count is one line (as for every checkpoint); the final LoRA is the
@@ -67,7 +67,7 @@ def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathe
     from refl_ddpo.resume_fit import check_resume_fits
     from refl_ddpo.trainers.refl_config import ReFLConfig
 
-    (gathered, _), (out, _) = fsdp_runs("refl-fsdp"), fsdp_runs("refl-fsdp-shards")
+    (gathered, _), (out, _) = two_process_runs("refl-fsdp"), two_process_runs("refl-fsdp-shards")
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     checkpoint = out / "checkpoint-2"
     shards = sorted(p.name for p in (checkpoint / SHARDS_DIR).iterdir())
@@ -94,11 +94,11 @@ def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathe
 
 
 def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weights(
-    fsdp_runs, tiny_models, tmp_path
+    two_process_runs, tiny_models, tmp_path
 ):
     """ReFL LoRA under FSDP with --fsdp_checkpoint sharded, killed (-9) after checkpoint-2, resumed with latest from
     its DCP shards: the final LoRA and the last checkpoint's counters equal the uninterrupted run's bit for bit."""
-    reference, _ = fsdp_runs("refl-fsdp-shards")
+    reference, _ = two_process_runs("refl-fsdp-shards")
     out = tmp_path / "killed"
     flags = refl_flags(tiny_models, out, *FSDP_SHARDS)
     kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
@@ -169,10 +169,10 @@ def test_sharded_text_encoders_encode_as_the_whole_ones(tiny_models):
     mp.spawn(_encode_sharded, args=(tiny_models, free_port()), nprocs=2)
 
 
-def test_refl_lora_with_sharded_text_encoders_equals_the_run_without(fsdp_runs):
+def test_refl_lora_with_sharded_text_encoders_equals_the_run_without(two_process_runs):
     """ReFL LoRA on tiny SD3 (two CLIPs and T5) under --fsdp with validation, --fsdp_shard_text_encoders added: the
     final LoRA and checkpoint-2 of the run without it, to 1e-5; the saved config carries the flag."""
-    (whole, rw), (sharded, rs) = fsdp_runs("refl-fsdp"), fsdp_runs("refl-fsdp-te")
+    (whole, rw), (sharded, rs) = two_process_runs("refl-fsdp"), two_process_runs("refl-fsdp-te")
     assert_close(saved_lora(sharded), saved_lora(whole))
     assert_close(saved_lora(sharded / "checkpoint-2"), saved_lora(whole / "checkpoint-2"))
     assert rs.stdout.count("validation after step") == rw.stdout.count("validation after step") == 3

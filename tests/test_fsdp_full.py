@@ -27,10 +27,10 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-def test_full_finetune_under_fsdp_equals_the_unsharded_run_and_loads(fsdp_runs, tiny_models):
+def test_full_finetune_under_fsdp_equals_the_unsharded_run_and_loads(two_process_runs, tiny_models):
     from diffusers import SD3Transformer2DModel
 
-    (ddp, _), (fsdp, _) = fsdp_runs("full-ddp"), fsdp_runs("full-fsdp")
+    (ddp, _), (fsdp, _) = two_process_runs("full-ddp"), two_process_runs("full-fsdp")
     # not bit-equal: FSDP's reduce-scatter sums in another order than DDP's all-reduce (about 1e-7 measured)
     assert_close(load_file(fsdp / FULL_UNET_DIR / WEIGHTS), load_file(ddp / FULL_UNET_DIR / WEIGHTS))
     assert (
@@ -49,14 +49,14 @@ def test_full_finetune_under_fsdp_equals_the_unsharded_run_and_loads(fsdp_runs, 
 
 
 def test_killed_full_finetune_with_sharded_checkpoints_resumes_to_the_gathered_runs_weights(
-    fsdp_runs, tiny_models, tmp_path
+    two_process_runs, tiny_models, tmp_path
 ):
     """A full fine-tune under FSDP with --fsdp_checkpoint sharded: checkpoint-2 holds the DCP shards, no unet/;
     killed (-9) after it and resumed, the final unet/ (a diffusers folder) equals the gathered-checkpoint run's bit
     for bit."""
     from diffusers import SD3Transformer2DModel
 
-    reference, _ = fsdp_runs("full-fsdp")
+    reference, _ = two_process_runs("full-fsdp")
     out = tmp_path / "killed"
     flags = refl_flags(tiny_models, out, "--fsdp", *FSDP_FULL, "--fsdp_checkpoint", "sharded")
     kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)

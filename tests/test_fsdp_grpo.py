@@ -28,8 +28,8 @@ from refl_ddpo.lora import LORA_WEIGHTS_NAME
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
-def test_grpo_lora_under_fsdp_equals_the_unsharded_run(fsdp_runs):
-    (ddp, _), (fsdp, r) = fsdp_runs("grpo-ddp"), fsdp_runs("grpo-fsdp")
+def test_grpo_lora_under_fsdp_equals_the_unsharded_run(two_process_runs):
+    (ddp, _), (fsdp, r) = two_process_runs("grpo-ddp"), two_process_runs("grpo-fsdp")
     assert "weights sharded over 2 process(es) (FSDP2): one copy" in r.stdout
     assert_close(saved_lora(fsdp), saved_lora(ddp))
     assert_close(saved_lora(fsdp / "checkpoint-1"), saved_lora(ddp / "checkpoint-1"))
@@ -39,10 +39,10 @@ def test_grpo_lora_under_fsdp_equals_the_unsharded_run(fsdp_runs):
     assert not list((fsdp / "checkpoint-1").glob("*.bin"))
 
 
-def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(fsdp_runs, tiny_models, tmp_path):
+def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
     """GRPO under FSDP, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
     equals the uninterrupted FSDP run's bit for bit, and the counters too."""
-    reference, _ = fsdp_runs("grpo-fsdp")
+    reference, _ = two_process_runs("grpo-fsdp")
     out = tmp_path / "killed"
     flags = grpo_flags(tiny_models, out, "--fsdp")
     kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
@@ -57,10 +57,10 @@ def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(fsdp_runs, tiny_mo
     )
 
 
-def test_two_machines_on_one_host_train_one_run(fsdp_runs, tiny_models, tmp_path):
+def test_two_machines_on_one_host_train_one_run(two_process_runs, tiny_models, tmp_path):
     """Two launchers, machines 0 and 1 over 127.0.0.1, one process each, --fsdp across them: one result, the same
     weights as the two processes of one machine."""
-    reference, _ = fsdp_runs("grpo-ddp")
+    reference, _ = two_process_runs("grpo-ddp")
     out = tmp_path / "two-machines"
     flags = grpo_flags(tiny_models, out, "--fsdp")
     common = {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}
