@@ -187,8 +187,9 @@ FSDP_VALIDATION = (
 )
 FSDP_FULL = ("--no-use_lora", "--learning_rate", "1e-3")
 # --fsdp_checkpoint sharded: checkpoint-1, -2 and -3, the last two kept
+# sharded checkpoints, and the text encoders sharded too (--fsdp_shard_text_encoders: the same bits)
 FSDP_SHARDS = (
-    *("--fsdp", *FSDP_VALIDATION, "--fsdp_checkpoint", "sharded"),
+    *("--fsdp", *FSDP_VALIDATION, "--fsdp_checkpoint", "sharded", "--fsdp_shard_text_encoders"),
     *("--checkpointing_steps", "1", "--checkpoints_total_limit", "2"),
 )
 
@@ -249,10 +250,6 @@ TWO_PROCESS_RUNS = {
     "grpo-fsdp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, "--fsdp")),
     "refl-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_VALIDATION)),
     "refl-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_VALIDATION)),
-    "refl-fsdp-te": (
-        "train_refl_lora.sh",
-        lambda m, out: refl_flags(m, out, "--fsdp", "--fsdp_shard_text_encoders", *FSDP_VALIDATION),
-    ),
     "refl-fsdp-shards": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
     "full-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL)),
     "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_FULL)),
