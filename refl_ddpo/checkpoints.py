@@ -13,6 +13,7 @@ import torch
 
 from refl_ddpo.errors import UserError
 from refl_ddpo.lora import FULL_UNET_DIR, load_lora_into_unet, save_lora
+from refl_ddpo.zero import unwrap
 
 TRAIN_STATE_JSON = "train_state.json"  # our own counters, JSON
 TRAIN_STATE_TENSORS = "train_state.safetensors"  # our own generator states and tensors (no pickle)
@@ -24,17 +25,17 @@ def register_network_hooks(accelerator, network) -> None:
     def save_hook(models, weights, output_dir):
         for model in models:  # on every process (their weights are identical), before any file is written
             check_finite_weights(
-                accelerator.unwrap_model(model),
+                unwrap(accelerator, model),
                 f"not saving {Path(output_dir).name.lstrip('.').removesuffix('.tmp')}",
             )
         if accelerator.is_main_process:
             for model in models:
-                save_lora(accelerator.unwrap_model(model), output_dir)
+                save_lora(unwrap(accelerator, model), output_dir)
         weights.clear()  # nothing else of the model is written by accelerate
 
     def load_hook(models, input_dir):
         while models:
-            model = accelerator.unwrap_model(models.pop())
+            model = unwrap(accelerator, models.pop())
             if getattr(model, "peft_config", None):
                 load_lora_into_unet(model, input_dir)
             else:

@@ -13,6 +13,7 @@ import torch
 from refl_ddpo.algorithms.policy import ppo_clip_loss
 from refl_ddpo.families import Cond, ModelFamily, cond_expand
 from refl_ddpo.rollouts import STEP_KEYS, shuffle_samples
+from refl_ddpo.zero import unwrap
 
 
 def ppo_step_loss(
@@ -119,7 +120,7 @@ def train_on_samples(
     n = samples["timesteps"].shape[0]
     cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
     uncond = None if uncond is None else cond_expand(uncond, batch_size)
-    base = accelerator.unwrap_model(network)
+    base = unwrap(accelerator, network)
     results, acc = [], defaultdict(list)
     # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
     step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)

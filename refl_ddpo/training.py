@@ -17,6 +17,7 @@ from refl_ddpo.images import caption_grid
 from refl_ddpo.launch import PREFLIGHT_ENV
 from refl_ddpo.lora import add_lora, save_lora, trainable_full_unet
 from refl_ddpo.outputs import log_grid
+from refl_ddpo.zero import unwrap
 
 if TYPE_CHECKING:
     from refl_ddpo.validation import ValidationSpec
@@ -377,7 +378,7 @@ def save_final(
     from refl_ddpo.sharding import gathered_state, is_sharded
 
     accelerator.wait_for_everyone()
-    check_finite_weights(accelerator.unwrap_model(network), f"not saving the final weights to {output_dir}")
+    check_finite_weights(unwrap(accelerator, network), f"not saving the final weights to {output_dir}")
     state = None
     if is_sharded(accelerator):  # gathered from the shards by every process, written once by the main one
         state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
@@ -387,7 +388,7 @@ def save_final(
         saved = dict(config)
         if os.path.exists(config["pretrained_model"]):
             saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
-        save_lora(accelerator.unwrap_model(network), output_dir, config=saved, state=state)
+        save_lora(unwrap(accelerator, network), output_dir, config=saved, state=state)
         card = model_card(
             output_dir,
             config,

@@ -82,6 +82,15 @@ def is_zero(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
+def unwrap(accelerator, network: torch.nn.Module) -> torch.nn.Module:
+    """The network inside accelerate's wrapper: DeepSpeed's engine under --deepspeed_zero, else DDP's (FSDP2 wraps
+    nothing). accelerate's unwrap_model imports DeepSpeed whenever it is installed, 1.4 s and a log line in every
+    process of a run that does not use it; only a ZeRO run asks it here."""
+    if is_zero(accelerator):
+        return accelerator.unwrap_model(network)
+    return network.module if isinstance(network, torch.nn.parallel.DistributedDataParallel) else network
+
+
 def _engine(accelerator):
     if len(accelerator._models) != 1:
         raise RuntimeError(

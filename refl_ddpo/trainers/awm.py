@@ -29,6 +29,7 @@ from refl_ddpo.errors import cli_main
 from refl_ddpo.trainers.forward_config import AWMConfig
 from refl_ddpo.trainers.nft import Draw, ForwardProcess
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
+from refl_ddpo.zero import unwrap
 
 
 class AWM(ForwardProcess):
@@ -45,7 +46,7 @@ class AWM(ForwardProcess):
 
     def batch_start(self, run: Run, batch: dict, cond, draws: list[Draw]) -> Any:
         """ll_old of every draw, with the weights as the micro-batch starts (no grad)."""
-        network = run.accelerator.unwrap_model(run.network)
+        network = unwrap(run.accelerator, run.network)
         with torch.no_grad(), run.accelerator.autocast():
             return [self.log_likelihood(run, self.predict(run, d, cond, network), d) for d in draws]
 

@@ -54,6 +54,7 @@ from refl_ddpo.trainers.forward_config import ForwardConfig, NFTConfig
 from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
 from refl_ddpo.training import seeded_generator
+from refl_ddpo.zero import unwrap
 
 
 def forward_sizes(cfg: ForwardConfig, num_processes: int) -> dict[str, int]:
@@ -152,7 +153,7 @@ class ForwardProcess(EpochAlgorithm):
 
     def sample(self, run: Run, epoch: int, plan: EpochPlan) -> list:
         cfg = self.cfg
-        network = run.accelerator.unwrap_model(run.network)
+        network = unwrap(run.accelerator, run.network)
         network.eval()
         weights = swapped(run.params, self.old) if self.sample_with_old else nullcontext()
         with (
@@ -289,12 +290,12 @@ class ForwardProcess(EpochAlgorithm):
             return None
         from refl_ddpo.lora import adapters_off
 
-        with adapters_off(run.accelerator.unwrap_model(run.network)) as base:
+        with adapters_off(unwrap(run.accelerator, run.network)) as base:
             return self.predict(run, draw, cond, base)
 
     def old_output(self, run: Run, draw: Draw, cond) -> torch.Tensor:
         with swapped(run.params, self.old):
-            return self.predict(run, draw, cond, run.accelerator.unwrap_model(run.network))
+            return self.predict(run, draw, cond, unwrap(run.accelerator, run.network))
 
     def batch_start(self, run: Run, batch: dict, cond, draws: list[Draw]) -> Any:
         """Anything computed once per micro-batch before its first update (AWM: the old log-likelihoods)."""

@@ -392,7 +392,7 @@ def checkpoint(algo: Algorithm, run: Run, done: int) -> Path:
         total_limit=cfg.checkpoints_total_limit,
         shards=cfg.fsdp_checkpoint == "sharded",
     )
-    if run.accelerator.is_local_main_process:
+    if run.accelerator.is_main_process:  # the one process that wrote it (the other machines hold no copy)
         from tqdm.auto import tqdm
 
         tqdm.write(f"saved {path}")
