@@ -1,5 +1,5 @@
 """FSDP2 (--fsdp) on CPU processes over gloo: GRPO LoRA on tiny SD3 (two processes with --fsdp train the weights
-of the same two without it to 1e-5; killed with -9 and resumed, the uninterrupted run's bit for bit), two launchers
+of the same two without it to 1e-5; resumed from a checkpoint, the uninterrupted run's bit for bit), two launchers
 on one machine as machines 0 and 1 training one run, and the machine and FSDP settings that cannot work, each refused
 in one line before anything loads (see tests/test_fsdp.py for ReFL)."""
 
@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -15,15 +16,12 @@ from helpers import (
     assert_close,
     free_port,
     grpo_flags,
-    kill_after,
+    resume_two,
     run_script,
-    run_two,
     saved_lora,
     script_env,
     trainer_flags,
 )
-
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -39,15 +37,12 @@ def test_grpo_lora_under_fsdp_equals_the_unsharded_run(two_process_runs):
     assert not list((fsdp / "checkpoint-1").glob("*.bin"))
 
 
-def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
-    """GRPO under FSDP, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
-    equals the uninterrupted FSDP run's bit for bit, and the counters too."""
+def test_fsdp_checkpoint_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
+    """GRPO under FSDP resumed with latest from the run's gathered checkpoint-1 (what a run killed after it leaves;
+    helpers.resume_two): the LoRA equals the uninterrupted FSDP run's bit for bit, and the counters too."""
     reference, _ = two_process_runs("grpo-fsdp")
-    out = tmp_path / "killed"
-    flags = grpo_flags(tiny_models, out, "--fsdp")
-    kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
-    assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
-    r = run_two("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    out = tmp_path / "resumed"
+    r = resume_two(reference / "checkpoint-1", "train_grpo.sh", grpo_flags(tiny_models, out, "--fsdp"))
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     resumed, uninterrupted = saved_lora(out), saved_lora(reference)
     assert resumed.keys() == uninterrupted.keys()
@@ -64,25 +59,35 @@ def test_two_machines_on_one_host_train_one_run(two_process_runs, tiny_models, t
     out = tmp_path / "two-machines"
     flags = grpo_flags(tiny_models, out, "--fsdp")
     common = {"NUM_MACHINES": "2", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}
-    procs = [
-        subprocess.Popen(
-            ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
-            cwd=REPO,
-            env=script_env(NUM_PROCESSES="2", MACHINE_RANK=str(rank), RENDEZVOUS_TIMEOUT="120", **common),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        results = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    logs = [(tmp_path / f"machine{rank}.out", tmp_path / f"machine{rank}.err") for rank in (0, 1)]
+    procs = []
+    for rank, (stdout, stderr) in enumerate(logs):  # files, not pipes: neither launcher waits on a full pipe
+        with stdout.open("w") as out_file, stderr.open("w") as err_file:
+            procs.append(
+                subprocess.Popen(
+                    ["bash", str(REPO / "train_scripts" / "train_grpo.sh"), *flags],
+                    cwd=REPO,
+                    env=script_env(
+                        NUM_PROCESSES="2", MACHINE_RANK=str(rank), RENDEZVOUS_TIMEOUT="120", **common
+                    ),
+                    stdout=out_file,
+                    stderr=err_file,
+                    start_new_session=True,
+                )
+            )
+    deadline = time.monotonic() + 240
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    hung = [p.poll() is None for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    results = [(out.read_text(), err.read_text()) for out, err in logs]
+    told = "".join(
+        f"\n--- machine {r}{' (hung)' * hung[r]}:\n{o[-1500:]}{e[-1500:]}" for r, (o, e) in enumerate(results)
+    )
+    assert [p.returncode for p in procs] == [0, 0], told
     assert "this is machine 1 with 1" in results[1][1]
     assert "saved final weights" in results[0][0] and "saved final weights" not in results[1][0]
     assert json.loads((out / "checkpoint-2" / "checkpoint.json").read_text())["num_processes"] == 2
