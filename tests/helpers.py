@@ -186,8 +186,9 @@ FSDP_VALIDATION = (
     *("--num_validation_images", "1", "--validation_num_steps", "2"),
 )
 FSDP_FULL = ("--no-use_lora", "--learning_rate", "1e-3")
-# --fsdp_checkpoint sharded: checkpoint-1, -2 and -3, the last two kept
-# sharded checkpoints, and the text encoders sharded too (--fsdp_shard_text_encoders: the same bits)
+FSDP_FULL_SHARDS = ("--fsdp", *FSDP_FULL, "--fsdp_checkpoint", "sharded")
+# ReFL under FSDP with validation, sharded checkpoints (--fsdp_checkpoint sharded: checkpoint-1, -2 and -3, the last
+# two kept) and the text encoders sharded too (--fsdp_shard_text_encoders)
 FSDP_SHARDS = (
     *("--fsdp", *FSDP_VALIDATION, "--fsdp_checkpoint", "sharded", "--fsdp_shard_text_encoders"),
     *("--checkpointing_steps", "1", "--checkpoints_total_limit", "2"),
@@ -249,10 +250,9 @@ TWO_PROCESS_RUNS = {
     "grpo-ddp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out)),
     "grpo-fsdp": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, "--fsdp")),
     "refl-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_VALIDATION)),
-    "refl-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_VALIDATION)),
-    "refl-fsdp-shards": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
+    "refl-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_SHARDS)),
     "full-ddp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL)),
-    "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, "--fsdp", *FSDP_FULL)),
+    "full-fsdp": ("train_refl_lora.sh", lambda m, out: refl_flags(m, out, *FSDP_FULL_SHARDS)),
     # tests/test_deepspeed.py: clipped at 1e-3, so that DeepSpeed's clipping acts (on the second step)
     "grpo-ddp-clipped": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, *CLIPPED)),
     "grpo-zero2": ("train_grpo.sh", lambda m, out: grpo_flags(m, out, *CLIPPED, *ZERO2)),
@@ -264,6 +264,33 @@ def run_two(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
     r = run_script(script, args, script_env(NUM_PROCESSES="2", **env), timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def resume_two(checkpoint: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """Copy a finished run's `checkpoint` into the fresh --output_dir of `args` (the folder a run killed right after
+    writing it leaves) and resume it with latest on two processes: one two-process run, not a killed and a resumed
+    one. Runs killed with -9 on two processes and resumed: tests/test_grpo.py, test_nft.py (and test_runs.py: the
+    workers die with their launcher)."""
+    import shutil
+
+    out = Path(args[args.index("--output_dir") + 1])
+    out.mkdir(parents=True)
+    shutil.copytree(checkpoint, out / checkpoint.name)
+    return run_two(script, [*args, "--resume_from_checkpoint", "latest"])
+
+
+def dcp_model(checkpoint: Path) -> dict:
+    """A sharded checkpoint's network (--fsdp_checkpoint sharded), read whole in this one process (DCP reshards),
+    by the trained module's parameter names."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from refl_ddpo.sharding import SHARDS_DIR
+
+    saved = dcp.FileSystemReader(checkpoint / SHARDS_DIR).read_metadata().state_dict_metadata
+    whole = {k: torch.empty(v.size) for k, v in saved.items() if k.startswith("model.")}
+    dcp.load(whole, checkpoint_id=checkpoint / SHARDS_DIR, no_dist=True)
+    return {k.removeprefix("model."): v for k, v in whole.items()}
 
 
 def assert_close(a: dict, b: dict, tol: float = FSDP_TOL) -> float:

@@ -2,7 +2,7 @@
 
 ZeRO-2 partitions the optimizer state and the gradients, not the arithmetic: two processes under it train the weights
 of the same two processes without it (DDP) to 1e-5 (GRPO on tiny SD3, LoRA, its KL switching the LoRA off, the
-gradients clipped by DeepSpeed at --max_grad_norm); a run killed with -9 and resumed from our checkpoint files
+gradients clipped by DeepSpeed at --max_grad_norm); a run resumed from our checkpoint files
 (safetensors, no DeepSpeed pickles) equals the uninterrupted one bit for bit; a NaN gradient stops a ReFL run in one
 line before the update (DeepSpeed skips the step, the guard sees its inf norm); ZeRO-3, --fsdp beside it and one
 process are refused in one line before any model loads. On the CPU DeepSpeed's shared-memory op is left out
@@ -17,9 +17,8 @@ from helpers import (
     assert_close,
     assert_lora_changes_stock_images,
     grpo_flags,
-    kill_after,
+    resume_two,
     run_script,
-    run_two,
     saved_lora,
     script_env,
     trainer_flags,
@@ -47,15 +46,13 @@ def test_grpo_lora_under_zero2_equals_the_ddp_run_and_loads(two_process_runs, ti
     assert_lora_changes_stock_images(pipe, zero, 32, part="transformer")
 
 
-def test_killed_zero2_run_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
-    """GRPO under ZeRO-2, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
-    equals the uninterrupted ZeRO-2 run's bit for bit."""
+def test_zero2_checkpoint_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
+    """GRPO under ZeRO-2 resumed with latest from the run's checkpoint-1 (what a run killed after it leaves;
+    helpers.resume_two): the LoRA equals the uninterrupted ZeRO-2 run's bit for bit."""
     reference, _ = two_process_runs("grpo-zero2")
-    out = tmp_path / "killed"
+    out = tmp_path / "resumed"
     flags = grpo_flags(tiny_models, out, *CLIPPED, *ZERO2)
-    kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
-    assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
-    r = run_two("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
+    r = resume_two(reference / "checkpoint-1", "train_grpo.sh", flags)
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     resumed, uninterrupted = saved_lora(out), saved_lora(reference)
     assert resumed.keys() == uninterrupted.keys()

@@ -3,9 +3,9 @@
 fine-tune, FLUX.1 and where the weights live before `prepare`).
 
 Sharding changes where the weights live, not the arithmetic: two processes with --fsdp train the weights of the same
-two processes without it (DDP: each holds the whole network, the gradients all-reduced) to 1e-5, with validation
-and gathered checkpoints; with sharded checkpoints (--fsdp_checkpoint sharded: DCP shards) the run gives the same
-weights, and killed with -9 and resumed it equals the uninterrupted one; the final weights are the diffusers files a
+two processes without it (DDP: each holds the whole network, the gradients all-reduced) to 1e-5, with validation,
+sharded checkpoints (--fsdp_checkpoint sharded: DCP shards) and the text encoders sharded too; resumed from a
+sharded checkpoint, the run equals the uninterrupted one bit for bit; the final weights are the diffusers files a
 stock pipeline loads. (Not the single-process run: each process draws its own prompts and noise, seeded by its rank,
 so one process with twice the batch sees other samples.)"""
 
@@ -18,10 +18,10 @@ from helpers import (
     FSDP_TOL,
     assert_close,
     assert_lora_changes_stock_images,
+    dcp_model,
     free_port,
-    kill_after,
     refl_flags,
-    run_two,
+    resume_two,
     saved_lora,
 )
 
@@ -31,12 +31,17 @@ from refl_ddpo.sharding import SHARDS_DIR, peft_keys_to_model
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
 
-def test_refl_lora_under_fsdp_with_validation_and_checkpointing_equals_the_unsharded_run(
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
+def test_refl_lora_under_fsdp_with_validation_and_sharded_checkpoints_equals_the_unsharded_run(
     two_process_runs, tiny_models
 ):
+    """The FSDP run (validation, --fsdp_checkpoint sharded, the text encoders sharded too) against DDP's: the same
+    final LoRA and checkpoint-2 LoRA to 1e-5, validation alike; checkpoint-N holds each process' DCP shards (listed
+    in checkpoint.json), no gathered weights or optimizer; the final LoRA is in the diffusers format and the saved
+    config carries the flags."""
     (ddp, rd), (fsdp, rf) = two_process_runs("refl-ddp"), two_process_runs("refl-fsdp")
+    assert "weights sharded over 2 process(es) (FSDP2): one copy" in rf.stdout
     assert_close(saved_lora(fsdp), saved_lora(ddp))
-    assert_close(saved_lora(fsdp / "checkpoint-2"), saved_lora(ddp / "checkpoint-2"))
     assert rf.stdout.count("validation after step") == rd.stdout.count("validation after step") == 3
     for name in ("step-0.json", "step-2.json", "step-3.json"):
         a = json.loads((ddp / "validation" / name).read_text())
@@ -45,6 +50,18 @@ def test_refl_lora_under_fsdp_with_validation_and_checkpointing_equals_the_unsha
         for key in a:
             if "mean" in key and isinstance(a[key], float):
                 assert abs(a[key] - b[key]) <= FSDP_TOL, (name, key)
+    assert sorted(p.name for p in fsdp.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    checkpoint = fsdp / "checkpoint-2"
+    shards = sorted(p.name for p in (checkpoint / SHARDS_DIR).iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    listed = json.loads((checkpoint / "checkpoint.json").read_text())["files"]
+    assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed.keys()
+    assert not (checkpoint / LORA_WEIGHTS_NAME).exists() and not (checkpoint / FULL_UNET_DIR).exists()
+    assert not list(checkpoint.glob("optimizer*")) and not list(checkpoint.glob("*.bin"))
+    lora = peft_keys_to_model(saved_lora(ddp / "checkpoint-2"))
+    assert_close(dcp_model(checkpoint), {k.removeprefix("transformer."): v for k, v in lora.items()})
+    saved = json.loads((fsdp / CONFIG_NAME).read_text())
+    assert saved["fsdp_checkpoint"] == "sharded" and saved["fsdp_shard_text_encoders"] is True
 
 
 def test_fsdp_lora_loads_in_the_stock_pipeline(two_process_runs, tiny_models):
@@ -55,57 +72,27 @@ def test_fsdp_lora_loads_in_the_stock_pipeline(two_process_runs, tiny_models):
     assert_lora_changes_stock_images(pipe, fsdp, 32, part="transformer")
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
-def test_sharded_checkpoints_hold_dcp_shards_and_the_final_weights_are_the_gathered_runs(two_process_runs):
-    """--fsdp_checkpoint sharded: checkpoint-N holds each process' DCP shards (listed in checkpoint.json), no gathered
-    weights or optimizer; read whole in one process (DCP reshards), they are the gathered run's checkpoint-2 LoRA bit
-    for bit; resuming with another process count is one line (as for every checkpoint); the final LoRA is the
-    gathered-checkpoint run's, bit for bit, in the diffusers format."""
-    import torch.distributed.checkpoint as dcp
-
+def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights_on_as_many_processes(
+    two_process_runs, tiny_models, tmp_path
+):
+    """Resumed with latest from the FSDP run's sharded checkpoint-2 (what a run killed after it leaves;
+    helpers.resume_two): the final LoRA and the last checkpoint's counters equal the
+    uninterrupted run's bit for bit. On another process count it is one line (as for every checkpoint)."""
     from refl_ddpo.errors import UserError
     from refl_ddpo.resume_fit import check_resume_fits
     from refl_ddpo.trainers.refl_config import ReFLConfig
 
-    (gathered, _), (out, _) = two_process_runs("refl-fsdp"), two_process_runs("refl-fsdp-shards")
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    checkpoint = out / "checkpoint-2"
-    shards = sorted(p.name for p in (checkpoint / SHARDS_DIR).iterdir())
-    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    listed = json.loads((checkpoint / "checkpoint.json").read_text())["files"]
-    assert {f"{SHARDS_DIR}/{name}" for name in shards} <= listed.keys()
-    assert not (checkpoint / LORA_WEIGHTS_NAME).exists() and not (checkpoint / FULL_UNET_DIR).exists()
-    assert not list(checkpoint.glob("optimizer*")) and not list(checkpoint.glob("*.bin"))
-    saved = dcp.FileSystemReader(checkpoint / SHARDS_DIR).read_metadata().state_dict_metadata
-    whole = {k: torch.empty(v.size) for k, v in saved.items() if k.startswith("model.")}
-    dcp.load(whole, checkpoint_id=checkpoint / SHARDS_DIR, no_dist=True)
-    lora = peft_keys_to_model(saved_lora(gathered / "checkpoint-2"))
-    assert whole.keys() == {"model." + k.removeprefix("transformer.") for k in lora}
-    assert all(torch.equal(whole["model." + k.removeprefix("transformer.")], v) for k, v in lora.items())
-    record = json.loads((checkpoint / "checkpoint.json").read_text())
-    cfg = ReFLConfig(**json.loads((out / "config.json").read_text()))  # the run's, resolved
+    reference, _ = two_process_runs("refl-fsdp")
+    record = json.loads((reference / "checkpoint-2" / "checkpoint.json").read_text())
+    cfg = ReFLConfig(**json.loads((reference / "config.json").read_text()))  # the run's, resolved
     with pytest.raises(
         UserError, match=r"written by 2 process\(es\), this run has 1; resume it with NUM_PROCESSES=2"
     ):
-        check_resume_fits(checkpoint, record, cfg, record["trainer"], "max_train_steps", 1)
-    final, reference = saved_lora(out), saved_lora(gathered)
-    assert final.keys() == reference.keys()
-    assert all(torch.equal(final[k], reference[k]) for k in final)
-
-
-def test_killed_run_with_sharded_checkpoints_resumes_to_the_uninterrupted_weights(
-    two_process_runs, tiny_models, tmp_path
-):
-    """ReFL LoRA under FSDP with --fsdp_checkpoint sharded, killed (-9) after checkpoint-2, resumed with latest from
-    its DCP shards: the final LoRA and the last checkpoint's counters equal the uninterrupted run's bit for bit."""
-    reference, _ = two_process_runs("refl-fsdp-shards")
-    out = tmp_path / "killed"
-    flags = refl_flags(tiny_models, out, *FSDP_SHARDS)
-    kill_after(out / "checkpoint-2", "train_refl_lora.sh", flags)
-    assert not (out / LORA_WEIGHTS_NAME).exists() and not (out / "checkpoint-3").exists(), (
-        "killed before the end"
+        check_resume_fits(reference / "checkpoint-2", record, cfg, record["trainer"], "max_train_steps", 1)
+    out = tmp_path / "resumed"
+    r = resume_two(
+        reference / "checkpoint-2", "train_refl_lora.sh", refl_flags(tiny_models, out, *FSDP_SHARDS)
     )
-    r = run_two("train_refl_lora.sh", [*flags, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in r.stdout and "checkpoint-2" in r.stdout
     resumed, uninterrupted = saved_lora(out), saved_lora(reference)
     assert resumed.keys() == uninterrupted.keys()
@@ -167,15 +154,3 @@ def test_sharded_text_encoders_encode_as_the_whole_ones(tiny_models):
     import torch.multiprocessing as mp
 
     mp.spawn(_encode_sharded, args=(tiny_models, free_port()), nprocs=2)
-
-
-def test_refl_lora_with_sharded_text_encoders_equals_the_run_without(two_process_runs):
-    """ReFL LoRA on tiny SD3 (two CLIPs and T5) under --fsdp with validation and --fsdp_checkpoint sharded, the text
-    encoders sharded too (--fsdp_shard_text_encoders): the final LoRA is the run's with whole encoders and gathered
-    checkpoints bit for bit (its checkpoint-2 too: test_sharded_checkpoints_...), validation runs alike, and the saved
-    config carries the flag."""
-    (whole, rw), (sharded, rs) = two_process_runs("refl-fsdp"), two_process_runs("refl-fsdp-shards")
-    final, reference = saved_lora(sharded), saved_lora(whole)
-    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
-    assert rs.stdout.count("validation after step") == rw.stdout.count("validation after step") == 3
-    assert json.loads((sharded / CONFIG_NAME).read_text())["fsdp_shard_text_encoders"] is True
