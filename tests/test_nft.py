@@ -1,6 +1,6 @@
 """DiffusionNFT and AWM end to end through their shell scripts on the tiny models: two processes with groups spread
-over them, the metrics each logs, the model card, a run resumed from its checkpoint bit for bit, one-line refusals before any
-model loads. The maths is tests/test_forward.py's; the learning proof is tests/test_toy_learning_nft.py's."""
+over them, the metrics each logs, the model card, a run resumed from its checkpoint bit for bit, one-line refusals
+before any model loads. The maths is tests/test_forward.py's; the learning proof is tests/test_toy_learning_nft.py's."""
 
 from __future__ import annotations
 
