@@ -1,5 +1,5 @@
 """FSDP2 (--fsdp) on CPU processes over gloo: GRPO LoRA on tiny SD3 (two processes with --fsdp train the weights
-of the same two without it to 1e-5; resumed from a checkpoint, the uninterrupted run's bit for bit), two launchers
+of the same two without it to 1e-5; killed with -9 and resumed, the uninterrupted run's bit for bit), two launchers
 on one machine as machines 0 and 1 training one run, and the machine and FSDP settings that cannot work, each refused
 in one line before anything loads (see tests/test_fsdp.py for ReFL)."""
 
@@ -16,12 +16,15 @@ from helpers import (
     assert_close,
     free_port,
     grpo_flags,
-    resume_two,
+    kill_after,
     run_script,
+    run_two,
     saved_lora,
     script_env,
     trainer_flags,
 )
+
+from refl_ddpo.lora import LORA_WEIGHTS_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -37,12 +40,16 @@ def test_grpo_lora_under_fsdp_equals_the_unsharded_run(two_process_runs):
     assert not list((fsdp / "checkpoint-1").glob("*.bin"))
 
 
-def test_fsdp_checkpoint_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
-    """GRPO under FSDP resumed with latest from the run's gathered checkpoint-1 (what a run killed after it leaves;
-    helpers.resume_two): the LoRA equals the uninterrupted FSDP run's bit for bit, and the counters too."""
+def test_killed_fsdp_run_resumes_to_the_uninterrupted_weights(two_process_runs, tiny_models, tmp_path):
+    """GRPO under FSDP, killed (-9, the launcher's whole group) after checkpoint-1, resumed with latest: the LoRA
+    equals the uninterrupted FSDP run's bit for bit, and the counters too. (The other engines' and checkpoint forms'
+    resume tests start from a finished run's checkpoint: helpers.resume_two.)"""
     reference, _ = two_process_runs("grpo-fsdp")
-    out = tmp_path / "resumed"
-    r = resume_two(reference / "checkpoint-1", "train_grpo.sh", grpo_flags(tiny_models, out, "--fsdp"))
+    out = tmp_path / "killed"
+    flags = grpo_flags(tiny_models, out, "--fsdp")
+    kill_after(out / "checkpoint-1", "train_grpo.sh", flags)
+    assert not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    r = run_two("train_grpo.sh", [*flags, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     resumed, uninterrupted = saved_lora(out), saved_lora(reference)
     assert resumed.keys() == uninterrupted.keys()

@@ -117,7 +117,7 @@ def test_script_trains_groups_over_two_processes_and_saves_a_lora(two_process_ru
 
 def test_nft_resume_gives_the_bit_identical_lora(two_process_run, tiny_models, tmp_path):
     """Resumed with --resume_from_checkpoint latest from the run's checkpoint-1 (what a run killed after it leaves;
-    helpers.resume_two; test_grpo.py kills one): the LoRA and the counters equal the uninterrupted run's bit for bit
+    helpers.resume_two; test_grpo.py and test_fsdp_grpo.py kill one): the LoRA and the counters equal the uninterrupted run's bit for bit
     (the old policy travels in checkpoint-N)."""
     reference, _ = two_process_run("nft")
     out = tmp_path / "resumed"
