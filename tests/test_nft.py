@@ -1,6 +1,6 @@
 """DiffusionNFT and AWM end to end through their shell scripts on the tiny models: two processes with groups spread
-over them, the metrics each logs, the model card, a run resumed from its checkpoint bit for bit, one-line refusals
-before any model loads. The maths is tests/test_forward.py's; the learning proof is tests/test_toy_learning_nft.py's."""
+over them, the metrics each logs, the model card, a killed run resumed bit for bit, one-line refusals before any
+model loads. The maths is tests/test_forward.py's; the learning proof is tests/test_toy_learning_nft.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import resume_two, script_env, trainer_flags
+from helpers import kill_after, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.lora import LORA_WEIGHTS_NAME
@@ -115,14 +115,16 @@ def test_script_trains_groups_over_two_processes_and_saves_a_lora(two_process_ru
         assert "awm/old_kl" in scalars
 
 
-def test_nft_resume_gives_the_bit_identical_lora(two_process_run, tiny_models, tmp_path):
-    """Resumed with --resume_from_checkpoint latest from the run's checkpoint-1 (what a run killed after it leaves;
-    helpers.resume_two; test_grpo.py and test_fsdp_grpo.py kill one): the LoRA and the counters equal the uninterrupted run's bit for bit
-    (the old policy travels in checkpoint-N)."""
+def test_nft_resume_after_a_killed_run_gives_the_bit_identical_lora(two_process_run, tiny_models, tmp_path):
+    """Killed (-9) after its first checkpoint and resumed with --resume_from_checkpoint latest: the LoRA and the
+    counters equal the uninterrupted run's bit for bit (the old policy travels in checkpoint-N)."""
     reference, _ = two_process_run("nft")
-    out = tmp_path / "resumed"
+    out = tmp_path / "killed"
     flags = _flags(tiny_models, "nft", out, "--report_to", "none")
-    r = resume_two(reference / "checkpoint-1", "train_nft.sh", flags)
+    kill_after(out / "checkpoint-1", "train_nft.sh", flags)  # in epoch 2
+    assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
+    r = _script("nft", [*flags, "--resume_from_checkpoint", "latest"])
+    assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(reference / LORA_WEIGHTS_NAME)
     assert resumed.keys() == uninterrupted.keys()
