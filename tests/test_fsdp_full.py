@@ -28,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load(no_dist=True), on purpose
 def test_full_finetune_under_fsdp_equals_the_unsharded_run_and_loads(two_process_runs, tiny_models):
     from diffusers import SD3Transformer2DModel
 
