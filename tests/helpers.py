@@ -176,7 +176,8 @@ def assert_lora_moves_the_scores(
     assert result["count"] == 2 and result["mean_difference"] != 0
 
 
-# ---- two-process runs under FSDP (tests/test_fsdp*.py; conftest.py's `two_process_runs` runs each named one once a file) ----
+# ---- two-process runs under FSDP and ZeRO-2 (tests/test_fsdp*.py, test_deepspeed.py; conftest.py's
+# `two_process_runs` runs each named one once a file) ----
 
 FSDP_TOL = 1e-5
 # validation: every process draws (a sharded network needs all of them in each forward), the main one writes
