@@ -221,7 +221,8 @@ CASES: dict[str, Case] = {
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
         ),
-        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds
+        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds. Over 11 seeds the mean gain clears its bound
+        # by 2.0 std for DDPO (seed 9 gains only +0.078) and 2.8 for GRPO: docs/learning_spread.md
         Case(
             "ddpo_sd3",
             "train_ddpo.sh",
