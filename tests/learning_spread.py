@@ -1,15 +1,17 @@
 """The spread of the toy-world learning proofs over training seeds x CPU numeric paths, and how far each bound lies
 from the measured mean in units of that spread.
 
-    python tests/learning_spread.py run OUT [--cases refl draft3 ...] [--seeds 42 0 1] [--paths avx2 native baseline]
-        [--workers 2] [--keep] [--extra FLAGS]
-    python tests/learning_spread.py report OUT > table.md
+    python tests/learning_spread.py run OUT [--cases refl draft3 ...] [--seeds 42 0 1 ... 8]
+        [--paths avx2 native baseline] [--workers 2] [--keep] [--extra FLAGS]
+    python tests/learning_spread.py report OUT [OUT ...] > table.md
 
 `run` trains every case x seed x numeric path through the case's shell script (one CPU thread each, `--workers` at a
 time) and judges the held-out images under the same numeric path as the training, against the base model judged
 under that path too. Results go to OUT/results.jsonl as they come; a second `run` into the same OUT skips what is
-there. `report` prints a markdown table per case and, for each gated quantity, its mean, standard deviation, the
-bound in tests/learning_cases.py and how many standard deviations the mean clears it by (the proofs want >= 5).
+there. `report` prints a markdown table per case and recipe (the flags of `--extra`), from one or several OUTs, and,
+for each gated quantity, its mean, standard deviation, the bound in tests/learning_cases.py and how many standard
+deviations the mean clears it by: the proofs want >= 5, over at least MIN_SEEDS distinct training seeds (a standard
+deviation from three seeds was half the one from eleven on three proofs: docs/learning_spread.md).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ QUANTITIES = (  # name, the bound's field, +1 if larger is better
     ("ragged_rise", "max_ragged_rise", -1),
 )
 RULE = 5.0  # the bound must lie at least this many standard deviations from the mean, on the safe side
+MIN_SEEDS = 10  # distinct training seeds before a standard deviation counts (numeric paths alone add little)
 
 
 def _evaluate_in_subprocess(case: str, lora: Path | None, path: str) -> dict[str, float]:
@@ -52,9 +55,11 @@ def _evaluate_in_subprocess(case: str, lora: Path | None, path: str) -> dict[str
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _load(out: Path) -> list[dict]:
-    f = out / "results.jsonl"
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+def _load(*outs: Path) -> list[dict]:
+    files = [out / "results.jsonl" for out in outs]
+    return [
+        json.loads(line) for f in files if f.exists() for line in f.read_text().splitlines() if line.strip()
+    ]
 
 
 def run(
@@ -136,17 +141,23 @@ def _fmt(x: float) -> str:
     return f"{x:+.3f}"
 
 
-def report(out: Path) -> str:
-    rows = _load(out)
+def report(*outs: Path) -> str:
+    rows = _load(*outs)
     base = {(r["key"], r["path"]): r["metrics"] for r in rows if r["kind"] == "base"}
-    runs = [r for r in rows if r["kind"] == "run"]
+    runs = {}  # (case, extra flags) -> (seed, path) -> the last run recorded
+    for r in rows:
+        if r["kind"] == "run":
+            runs.setdefault((r["case"], tuple(r.get("extra", []))), {})[(r["seed"], r["path"])] = r
     lines = []
-    for name, case in CASES.items():
-        mine = [r for r in runs if r["case"] == name and ("/".join(case.eval_key), r["path"]) in base]
+    for (name, extra), by_seed in sorted(
+        runs.items(), key=lambda kv: (list(CASES).index(kv[0][0]), kv[0][1])
+    ):
+        case = CASES[name]
+        mine = [r for r in by_seed.values() if ("/".join(case.eval_key), r["path"]) in base]
         if not mine:
             continue
         mine.sort(key=lambda r: (list(NUMERIC_PATHS).index(r["path"]), r["seed"]))
-        flags = " ".join(case.flags + tuple(mine[0].get("extra", [])))
+        flags = " ".join(case.flags + extra)
         lines += [f"### {name}: `{case.script} --preset {case.preset}{' ' + flags if flags else ''}`", ""]
         lines += [
             "| numeric path | seed | accuracy | grey | dirty | ragged | gain | grey drop | dirty rise | ragged rise "
@@ -165,9 +176,11 @@ def report(out: Path) -> str:
                 + " | ".join(_fmt(c[q]) for q, _, _ in QUANTITIES)
                 + f" | {r['train_s']:.0f} |"
             )
+        seeds = len({r["seed"] for r in mine})
+        few = f" (**fewer than {MIN_SEEDS}**: the spread is not measured yet)" if seeds < MIN_SEEDS else ""
         lines += [
             "",
-            f"{len(mine)} runs:",
+            f"{len(mine)} runs, {seeds} distinct training seeds{few}:",
             "",
             "| quantity | mean | std | worst | bound | (mean - bound) / std |",
             "|---|---|---|---|---|---|",
@@ -184,7 +197,9 @@ def report(out: Path) -> str:
                 )
                 continue
             clear = sign * (mean - bound) / std if std > 0 else float("inf")
-            verdict = "" if clear >= RULE else " **under 5**"
+            verdict = (
+                "" if clear >= RULE and not few else " **under 5**" if clear < RULE else " (too few seeds)"
+            )
             lines.append(
                 f"| {q.replace('_', ' ')} | {_fmt(mean)} | {std:.3f} | {_fmt(worst)} | {_fmt(bound)} | "
                 f"{clear:.1f}{verdict} |"
@@ -230,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("run", allow_abbrev=False)
     r.add_argument("out", type=Path)
     r.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    r.add_argument("--seeds", nargs="+", type=int, default=[42, 0, 1])
+    r.add_argument("--seeds", nargs="+", type=int, default=[42, *range(MIN_SEEDS - 1)])
     r.add_argument("--paths", nargs="+", default=list(NUMERIC_PATHS), choices=list(NUMERIC_PATHS))
     r.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     r.add_argument("--keep", action="store_true", help="keep each trained LoRA in OUT/loras/CASE_SEED_PATH")
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         "--extra", default="", help="flags added to every case's (a recipe to try), e.g. '--num_epochs 8'"
     )
     s = sub.add_parser("report", allow_abbrev=False)
-    s.add_argument("out", type=Path)
+    s.add_argument("out", type=Path, nargs="+", help="results of one or several `run`s, merged")
     e = sub.add_parser("evaluate", allow_abbrev=False)  # internal: one evaluation, printed as JSON
     e.add_argument("case", choices=list(CASES))
     e.add_argument("lora", nargs="?", type=Path)
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "run":
         run(args.out, args.cases, args.seeds, args.paths, args.workers, shlex.split(args.extra), args.keep)
     elif args.cmd == "report":
-        print(report(args.out))
+        print(report(*args.out))
     else:
         import torch
 
