@@ -221,8 +221,8 @@ CASES: dict[str, Case] = {
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
         ),
-        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds. Over 11 seeds the mean gain clears its bound
-        # by 2.0 std for DDPO (seed 9 gains only +0.078) and 2.8 for GRPO: docs/learning_spread.md
+        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds. Over 11 seeds DDPO's mean gain clears its
+        # bound by 2.0 std (seed 9 gains only +0.078): docs/learning_spread.md
         Case(
             "ddpo_sd3",
             "train_ddpo.sh",
@@ -245,11 +245,13 @@ CASES: dict[str, Case] = {
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
         ),
+        # GRPO on toy-sd3 at 16 epochs, twice the preset's: over 11 seeds the preset's 8 gain +0.60 +- 0.13 (2.8 std
+        # above the bound), 16 gain +0.75 +- 0.02 (25); the ragged rise stays under the rule at either (4.1 / 3.9)
         Case(
             "grpo_sd3",
             "train_grpo.sh",
             "toy_world_sd3",
-            (),
+            ("--num_epochs", "16"),
             **_SD3_CYAN,
             min_gain=0.25,
             max_grey_drop=0.2,

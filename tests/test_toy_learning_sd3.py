@@ -1,6 +1,6 @@
 """The second family, proved on the toy world: on toy-sd3 (an MMDiT trained by flow matching) ReFL
 (`--preset toy_world_sd3`: 40 steps, the flow-matching x0 at the grad step), GRPO (Flow-GRPO's SDE step at noise level
-0.7, 8 epochs of 8 groups of 8 with one x_T per group), DDPO (the same step, 16 epochs of 64 independent samples,
+0.7, 16 epochs of 8 groups of 8 with one x_T per group), DDPO (the same step, 16 epochs of 64 independent samples,
 batch-normalised advantages) and DiffusionNFT (8 epochs of 2 groups of 16 clean samples, the forward-process loss)
 each raise the colour accuracy of the held-out "a cyan circle" on 64 fixed seeds (the
 presets train the colour word cyan alone), keeping the shapes (tests/learning_cases.py). The cases share one base
