@@ -1,3 +1,4 @@
+import json
 import os
 import platform
 import sys
@@ -24,14 +25,18 @@ torch.set_num_threads(1)
 
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones
 # (pyproject's --no-loadscope-reorder keeps this order: xdist would otherwise start the files with the most tests).
-# xdist hands each worker a second file while its first has 2 tests or fewer to go: with 2 workers the learning stage
-# runs toy-sd3's four proofs then DRaFT-3 on one, ReFL, GRPO and AWM on the other.
+# xdist hands each worker a second file while its first has 2 tests or fewer to go. Each learning proof has a file of
+# its own, longest first (training and judging, docs/tests.md), so that with 2 workers the stage splits about evenly:
+# ReFL and DDPO-SD3 start together, each judging a different base.
 LONG_FIRST = (
-    "test_toy_learning_sd3",
     "test_toy_learning",
-    "test_toy_learning_grpo",
+    "test_toy_learning_ddpo_sd3",
     "test_toy_learning_draft",
+    "test_toy_learning_grpo_sd3",
+    "test_toy_learning_grpo",
     "test_toy_learning_awm",
+    "test_toy_learning_nft",
+    "test_toy_learning_sd3",
     "test_grpo",
     "test_refl",
     "test_ddpo",
@@ -57,6 +62,26 @@ def tiny_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sd(tiny_models) -> Path:
     return tiny_models / "stable-diffusion"
+
+
+@pytest.fixture(scope="session")
+def base_judgement(tmp_path_factory):
+    """case -> the held-out judgement of its base model, computed once per pytest run and shared by every xdist
+    worker: a JSON file per evaluation key in the run's common temporary folder, written under a lock (a worker that
+    needs a base another is judging waits for it)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+
+    def judge(case) -> dict[str, float]:
+        path = root / f"base-judgement-{'-'.join(case.eval_key)}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.is_file():
+                path.write_text(json.dumps(case.evaluate()))
+            return json.loads(path.read_text())
+
+    return judge
 
 
 def _one_thread():

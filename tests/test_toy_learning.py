@@ -35,9 +35,10 @@ def check_only_the_lora_changed(out: Path) -> str:
     return lora_digest(out)
 
 
-def prove(case: Case, tmp_path: Path, record_property, base: dict[str, float] | None = None) -> None:
-    """Train `case` through its script, then check it against its bounds (base: the held-out judgement before)."""
-    base = case.evaluate() if base is None else base
+def prove(case: Case, tmp_path: Path, record_property, base_judgement) -> None:
+    """Train `case` through its script, then check it against its bounds (base_judgement: conftest's fixture, the
+    held-out judgement before, shared by the cases with the same evaluation key)."""
+    base = base_judgement(case)
     t0 = time.monotonic()
     r = case.train(tmp_path / case.name)
     train_s = time.monotonic() - t0
@@ -54,5 +55,5 @@ def prove(case: Case, tmp_path: Path, record_property, base: dict[str, float] | 
     case.check(base, after)
 
 
-def test_refl_raises_held_out_colour_accuracy(tmp_path, record_property):
-    prove(CASES["refl"], tmp_path, record_property)
+def test_refl_raises_held_out_colour_accuracy(tmp_path, record_property, base_judgement):
+    prove(CASES["refl"], tmp_path, record_property, base_judgement)

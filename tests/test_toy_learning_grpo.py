@@ -10,5 +10,5 @@ from test_toy_learning import prove
 pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyproject.toml)
 
 
-def test_grpo_raises_held_out_colour_accuracy(tmp_path, record_property):
-    prove(CASES["grpo"], tmp_path, record_property)
+def test_grpo_raises_held_out_colour_accuracy(tmp_path, record_property, base_judgement):
+    prove(CASES["grpo"], tmp_path, record_property, base_judgement)
