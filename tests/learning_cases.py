@@ -168,14 +168,15 @@ CASES: dict[str, Case] = {
     for c in (
         # ReFL on toy-sd, the 6 held-out colour / shape combinations x 64 seeds. The preset (160 steps, toy_classifier
         # alone) gains +0.26 +- 0.08 there and its runs differ in how much the shapes grow; 320 steps with toy_clean
-        # beside the classifier and ReFL's KL to the base at weight 1 gain more, and alike on every seed
+        # beside the classifier and ReFL's KL to the base at weight 1 gain more, and alike on every seed: +0.33 +- 0.03
+        # over 10 seeds, whose 5-std point (+0.17) sets the gain bound
         Case(
             "refl",
             "train_refl_lora.sh",
             "toy_world",
             ("--max_train_steps", "320", "--reward", "toy_classifier:1,toy_clean:0.2", "--kl_weight", "1"),
             **_SD_HELDOUT,
-            min_gain=0.2,
+            min_gain=0.15,
             max_grey_drop=0.2,
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
