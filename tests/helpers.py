@@ -140,11 +140,13 @@ def free_port() -> int:
 
 def kill_after(folder: Path, name: str, args: list[str]) -> None:
     """Start train_scripts/NAME ARGS on two processes and kill its whole process group with -9 once `folder` (a
-    checkpoint) is there."""
+    checkpoint) is there. The launcher's temporary folders, which a kill leaves, go beside the run's folder."""
+    tmp = folder.parent.with_name(folder.parent.name + ".tmp")
+    tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(
         ["bash", str(REPO / "train_scripts" / name), *args],
         cwd=REPO,
-        env=script_env(NUM_PROCESSES="2"),
+        env=script_env(NUM_PROCESSES="2", TMPDIR=str(tmp)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -410,8 +410,11 @@ main()
 
 def _launch(tmp_path: Path, mode: str) -> subprocess.Popen:
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    (tmp_path / "tmp").mkdir()
     cmd = f"source {REPO / 'train_scripts' / 'launch.sh'}; launch fake_trainer -- {mode}"
-    env = _env(NUM_PROCESSES="2", OUT=str(tmp_path), PYTHONPATH=f"{tmp_path}:{REPO}")
+    env = _env(
+        NUM_PROCESSES="2", OUT=str(tmp_path), PYTHONPATH=f"{tmp_path}:{REPO}", TMPDIR=str(tmp_path / "tmp")
+    )
     return subprocess.Popen(
         ["bash", "-c", cmd],
         cwd=REPO,
@@ -439,6 +442,7 @@ def test_a_user_error_on_one_of_two_processes_is_one_line(tmp_path):
     assert lines == [
         "error: --some_flag 3 does not fit this model (found on rank 1 after loading); use 2."
     ], err
+    assert not any((tmp_path / "tmp").iterdir()), "the launch left folders in the temporary folder"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
