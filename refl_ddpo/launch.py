@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="refl_ddpo_errors.") as errors:
         os.environ[ERROR_DIR_ENV] = errors  # the workers inherit the launcher's environment
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-        # the elastic agent makes its log folder (torchelastic_*) with mkdtemp and never removes it: one left in the
-        # temporary folder per launch. In this process only (workers keep theirs), it goes here and goes with this.
-        tempfile.tempdir = errors
+        # the elastic agent's logs: without a folder it makes one in /tmp per launch (torchelastic_*), never removed
+        if args.log_dir is None:
+            args.log_dir = errors
         try:
             launch_command(args)
         except ChildFailedError as e:
