@@ -60,7 +60,7 @@ from benchmarks.config import BenchConfig
 from benchmarks.flops import run_flops_only
 from benchmarks.measure import machine_info, measure
 from benchmarks.memory import run_memory_only
-from benchmarks.models import Bench, model_configs, parameter_counts
+from benchmarks.models import Bench, architectures, model_configs, parameter_counts, run_configs
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
 from refl_ddpo.errors import cli_main
@@ -81,14 +81,15 @@ def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:
                 "device": str(b.device),
                 "dtype": str(b.dtype).removeprefix("torch."),
                 "resolution": b.resolution,
-                "parameters": parameter_counts(configs),
+                "models": "tiny models" if cfg.tiny else architectures(cfg.cases),
+                "parameters": parameter_counts(run_configs(b, cfg.cases)),
                 "options": dataclasses.asdict(cfg),
                 "machine": machine_info(b.device),
             },
             "cases": [],
         }
         print(
-            f"benchmark: {'tiny models' if cfg.tiny else 'SD v1.5 architecture'} on {b.device}, "
+            f"benchmark: {results['meta']['models']} on {b.device}, "
             f"{results['meta']['dtype']}, {b.resolution} px",
             flush=True,
         )

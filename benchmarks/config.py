@@ -33,7 +33,7 @@ class BenchConfig(ConfigBase):
     # ---- what ----
     tiny: bool = field_(
         False,
-        "Use the tiny random models of refl_ddpo.testing.tiny instead of the real SD v1.5 architecture.",
+        "Use the tiny random models of refl_ddpo.testing.tiny instead of the real architectures.",
     )
     device: Literal["cuda", "cpu"] | None = field_(
         None,

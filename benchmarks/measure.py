@@ -175,6 +175,7 @@ def measure(b: Bench, case: Case) -> dict:
         result["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
     finally:
         del run, models
+        b.text_encoder_family = b.text_encoder_bytes = None
         b.accelerator.free_memory()
         gc.collect()
         if cuda:

@@ -80,7 +80,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from benchmarks.cases import Case, make_cases
 from benchmarks.config import BenchConfig
 from benchmarks.measure import GIB
-from benchmarks.models import Bench, model_configs
+from benchmarks.models import Bench, architectures, model_configs
 from benchmarks.report import write_files
 
 BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
@@ -516,7 +516,7 @@ def _case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case
 
             hold_fsdp_state(b.accelerator, fsdp_plugin(b.accelerator.mixed_precision))
         run, _ = case.setup(b)
-        te = getattr(b, "text_encoder_bytes", None)  # set by the FLUX.1 cases
+        te = b.text_encoder_bytes  # set by the FLUX.1 cases
         sharded_te = bool(ranks) and cfg.fsdp_shard_text_encoders and te is not None
         if sharded_te:  # the kit's --fsdp_shard_text_encoders (refl_ddpo.families.load_family)
             from refl_ddpo.sharding import shard_frozen
@@ -618,20 +618,6 @@ def memory_table(results: dict) -> str:
             "count there."
         )
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-
-
-ARCHITECTURES = {  # the rest: SD v1.5
-    "sd35m_refl": "SD3.5 Medium",
-    "sdxl_refl": "SDXL base 1.0",
-    "flux_refl": "FLUX.1-dev",
-    "flux_grpo_sample": "FLUX.1-dev",
-    "flux_grpo_train": "FLUX.1-dev",
-}
-
-
-def architectures(cases: list[str]) -> str:
-    """The real architectures these cases count, e.g. "SDXL base 1.0 architecture"."""
-    return " + ".join(sorted({ARCHITECTURES.get(c, "SD v1.5") for c in cases})) + " architecture"
 
 
 def run_memory_only(cfg: BenchConfig, argv: list[str]) -> dict:

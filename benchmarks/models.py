@@ -73,6 +73,20 @@ FLUX_TINY_FOLDERS = {
 }
 
 
+ARCHITECTURES = {  # the rest: SD v1.5
+    "sd35m_refl": "SD3.5 Medium",
+    "sdxl_refl": "SDXL base 1.0",
+    "flux_refl": "FLUX.1-dev",
+    "flux_grpo_sample": "FLUX.1-dev",
+    "flux_grpo_train": "FLUX.1-dev",
+}
+
+
+def architectures(cases: list[str]) -> str:
+    """The real architectures these cases count, e.g. "SDXL base 1.0 architecture"."""
+    return " + ".join(sorted({ARCHITECTURES.get(c, "SD v1.5") for c in cases})) + " architecture"
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
@@ -178,6 +192,24 @@ def construct(name: str, config: dict, attention: str = "sdpa", tokenizer=None):
     raise ValueError(name)
 
 
+def run_configs(b: Bench, cases: list[str]) -> dict[str, dict]:
+    """The configs of the models these cases build: SD v1.5's for its cases, the family's for the others, and
+    ImageReward's wherever a ReFL case scores with it."""
+    configs = {}
+    for case in cases:
+        if case.startswith("sd35m_"):
+            configs.update(b.sd3_configs)
+        elif case.startswith("sdxl_"):
+            configs.update(b.sdxl_configs)
+        elif case.startswith("flux_"):
+            configs.update(b.flux_configs)
+        else:
+            configs.update(b.configs)
+        if case.endswith("refl"):
+            configs["reward"] = b.configs["reward"]
+    return configs
+
+
 def parameter_counts(configs: dict[str, dict]) -> dict[str, int]:
     """Parameters of each model, built on the meta device (no memory, no init)."""
     counts = {}
@@ -216,6 +248,10 @@ class Bench:
         self._sd3_configs = None
         self._sdxl_configs = None
         self._flux_configs = None
+        # Set by a case's setup for the memory count (the FLUX.1 cases); measure() clears them after the case, or
+        # the family they hold (its transformer too) would stay on the device through the next case.
+        self.text_encoder_family = None
+        self.text_encoder_bytes = None
         self.dtype = cfg.resolved_dtype
         self.configs = configs
         self.resolution = cfg.resolution or (32 if cfg.tiny else 512)

@@ -20,6 +20,31 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def workloads(opts: dict, benches: set[str]) -> list[str]:
+    """One phrase per kind of case that ran: its steps and guidance."""
+    phrases = []
+    if benches & {"refl", "sd35m_refl", "sdxl_refl", "flux_refl"}:
+        phrases.append(
+            f"ReFL: {opts['refl_steps']} steps of the family's sampler, grad at fixed step k = {opts['refl_k']} "
+            f"({opts['refl_k'] + 1} network calls), CFG off"
+        )
+    if benches & {"ddpo_sample", "ddpo_train"}:
+        phrases.append(
+            f"DDPO: {opts['ddpo_steps']} steps, CFG {opts['ddpo_guidance_scale']}, train micro-batch "
+            f"{opts['ddpo_train_batch_size']}"
+        )
+    if benches & {"flux_grpo_sample", "flux_grpo_train"}:
+        phrases.append(
+            f"GRPO on FLUX.1: {opts['ddpo_steps']} flow SDE steps, embedded guidance {opts['ddpo_guidance_scale']}, "
+            f"train micro-batch {opts['ddpo_train_batch_size']}"
+        )
+    if "inference" in benches:
+        phrases.append(
+            f"inference: {opts['inference_steps']} DDIM steps, CFG {opts['inference_guidance_scale']}"
+        )
+    return phrases
+
+
 def markdown_table(results: dict) -> str:
     meta, rows = results["meta"], results["cases"]
     cuda = meta["device"].startswith("cuda")
@@ -49,7 +74,10 @@ def markdown_table(results: dict) -> str:
     params = ", ".join(f"{k} {v / 1e6:.4g}M" for k, v in meta["parameters"].items())
     opts = meta["options"]
     on_off = {True: "on", False: "off"}
-    models = "tiny (refl_ddpo.tiny)" if meta["tiny"] else "SD v1.5 architecture, random weights"
+    # results written before "models" was recorded ran SD v1.5 only
+    models = (
+        meta.get("models", "tiny models" if meta["tiny"] else "SD v1.5 architecture") + ", random weights"
+    )
     machine = meta["machine"].get("gpu") or meta["machine"].get("cpu")
     tf32 = on_off[opts["tf32"]] if cuda else "n/a"
     notes = [
@@ -62,12 +90,7 @@ def markdown_table(results: dict) -> str:
         ),
         f"Median of {opts['repeats']} runs after {opts['warmup']} warm-up run(s); "
         + ("CUDA events." if cuda else "perf_counter."),
-        (
-            f"ReFL: {opts['refl_steps']} DDPM steps, grad at fixed step k = {opts['refl_k']} "
-            f"({opts['refl_k'] + 1} UNet calls), CFG off; DDPO: {opts['ddpo_steps']} steps, CFG "
-            f"{opts['ddpo_guidance_scale']}, train micro-batch {opts['ddpo_train_batch_size']}; inference: "
-            f"{opts['inference_steps']} DDIM steps, CFG {opts['inference_guidance_scale']}."
-        ),
+        "; ".join(workloads(opts, {r["bench"] for r in rows})) + ".",
         "TFLOP/run: model FLOPs of one run (torch.utils.flop_counter; no checkpointing recomputation)."
         + (f" MFU against {opts['peak_tflops']:g} TFLOP/s." if cuda else ""),
     ]

@@ -115,6 +115,7 @@ def sweep_table(done: list[tuple[str, dict]]) -> str:
         f"Median time per run, peak {'allocated GPU memory' if cuda else 'process RSS (monotone within a run)'}"
         + (", MFU" if cuda else "")
         + f"; {meta['device']}, {meta['resolution']} px, "
-        f"{'tiny models' if meta['tiny'] else 'SD v1.5 architecture'}; each column is a separate process."
+        f"{meta.get('models', 'tiny models' if meta['tiny'] else 'SD v1.5 architecture')}; each column is a separate "
+        "process."
     )
     return "\n".join(lines) + "\n\n" + note + "\n"

@@ -173,6 +173,35 @@ def test_minimal_tiny_run_of_every_case_writes_results(tmp_path):
     assert results["meta"]["tiny"] and results["meta"]["parameters"]["unet"] > 0
     table = (out / "results.md").read_text()
     assert all(f"| {c['name']} |" in table for c in results["cases"])
+    assert "ReFL: 3 steps" in table and "DDPO: 2 steps" in table and "GRPO" not in table
+
+
+def test_a_measured_case_leaves_none_of_its_models_alive(tmp_path):
+    """Cases share one Bench, so whatever a case leaves alive is in the next case's peak. The FLUX.1 cases kept their
+    family on the Bench: on an H200, GRPO's sampling after the ReFL case measured 54.66 GiB, where it needs 32.13."""
+    import gc
+    import weakref
+
+    from benchmarks.cases import make_cases
+    from benchmarks.measure import measure
+    from benchmarks.models import Bench, model_configs
+
+    argv = ["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0", "--only", "flux_grpo_sample"]
+    cfg = parse_config(BenchConfig, [*argv, "--ddpo_sample_batch_size", "1", "--ddpo_train_batch_size", "1"])
+    cfg.ddpo_steps = 2
+    (case,) = make_cases(cfg)
+    built = []
+
+    def setup(b):
+        run, models = case.setup(b)
+        built.extend(weakref.ref(m) for m in models.values())
+        return run, models
+
+    b = Bench(cfg, model_configs(True, tmp_path), tmp_path)  # alive, as for the next case
+    result = measure(b, dataclasses.replace(case, setup=setup))
+    gc.collect()
+    assert "error" not in result and built
+    assert [type(r()).__name__ for r in built if r() is not None] == []
 
 
 # ---- peak memory computed on the meta device (benchmarks/memory.py) ----
@@ -280,7 +309,8 @@ def test_memory_only_on_tiny_models(tmp_path):
 
 def test_memory_only_sdxl_refl_on_tiny_models(tmp_path):
     """The SDXL ReFL case counts on meta (the tiny SDXL's UNet with its added conditions, its two CLIPs)."""
-    from benchmarks.memory import architectures, run_memory_only
+    from benchmarks.memory import run_memory_only
+    from benchmarks.models import architectures
 
     argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "sdxl_refl", "--refl_modes", "lora"]
     argv += ["--refl_batch_sizes", "1", "--refl_steps", "3", "--refl_k", "1"]
@@ -309,8 +339,8 @@ def test_memory_only_flux_cases_on_tiny_models(tmp_path):
     encoders' weights beside the peak and the derived peak without them."""
     import torch
 
-    from benchmarks.memory import architectures, round_block, run_memory_only
-    from benchmarks.models import construct, flux_configs
+    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.models import architectures, construct, flux_configs
 
     argv = [
         "--memory_only",
@@ -416,7 +446,7 @@ def test_committed_memory_results_name_the_architecture_they_count():
     SD v1.5 for SD3.5 Medium); qwen_memory.py's name Qwen-Image in their memory.md."""
     import json
 
-    from benchmarks.memory import architectures
+    from benchmarks.models import architectures
 
     results = sorted(Path(__file__).resolve().parents[1].glob("benchmarks/results/memory_*/memory.json"))
     assert results
