@@ -93,6 +93,12 @@ class BenchConfig(ConfigBase):
         "transformers' sdpa); eager: explicit matmul-softmax everywhere (the 'before' of the SDPA change).",
     )
     tf32: bool = field_(True, "Allow TF32 for fp32 matmuls and convolutions (CUDA only; no effect on a CPU).")
+    cudnn_attention: bool = field_(
+        True,
+        "Let SDPA use cuDNN's attention kernels where torch picks them (CUDA only). Off: "
+        "torch.backends.cuda.enable_cudnn_sdp(False), so flash or memory-efficient attention instead; torch "
+        "2.11.0+cu130's cuDNN attention backward failed in FLUX.1-dev's ReFL step on an H200 (illegal memory access).",
+    )
     channels_last: bool = field_(
         False, "UNet and VAE weights (and so their activations) in channels_last format."
     )

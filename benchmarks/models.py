@@ -291,6 +291,7 @@ class Bench:
         if self.device.type == "cuda":  # make_accelerator only ever switches TF32 on
             torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
             torch.backends.cudnn.allow_tf32 = cfg.tf32
+            torch.backends.cuda.enable_cudnn_sdp(cfg.cudnn_attention)
         # Tokenizers of the tiny models (no hub access): CLIP pads to 77 and ImageReward to 35 tokens whatever the
         # vocabulary, so the models see the shapes the real tokenizers give; ids stay inside the real vocabularies.
         self.clip_tokenizer = CLIPTokenizer.from_pretrained(workdir / "stable-diffusion" / "tokenizer")

@@ -71,7 +71,9 @@ def markdown_table(results: dict) -> str:
         if cuda:
             cells += [f"{100 * r['mfu']:.1f} %", str(r["host_syncs"])]
         lines.append("| " + " | ".join(cells) + " |")
-    params = ", ".join(f"{k} {v / 1e6:.4g}M" for k, v in meta["parameters"].items())
+    params = ", ".join(
+        f"{k} {v / 1e9:.4g}B" if v >= 1e9 else f"{k} {v / 1e6:.4g}M" for k, v in meta["parameters"].items()
+    )
     opts = meta["options"]
     on_off = {True: "on", False: "off"}
     # results written before "models" was recorded ran SD v1.5 only
@@ -86,7 +88,9 @@ def markdown_table(results: dict) -> str:
             f"Device {meta['device']} ({machine}, CPU threads: {meta['machine']['cpu_threads']}), dtype "
             f"{meta['dtype']}, {meta['resolution']} px, attention {opts['attention']}, TF32 {tf32}, channels_last "
             f"{on_off[opts['channels_last']]}, gradient checkpointing {on_off[opts['gradient_checkpointing']]}, "
-            f"compile {on_off[opts['compile']]}."
+            f"compile {on_off[opts['compile']]}"
+            + ("" if opts.get("cudnn_attention", True) else ", cuDNN attention off")
+            + "."
         ),
         f"Median of {opts['repeats']} runs after {opts['warmup']} warm-up run(s); "
         + ("CUDA events." if cuda else "perf_counter."),
