@@ -247,17 +247,18 @@ CASES: dict[str, Case] = {
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
         ),
-        # GRPO on toy-sd3 at 16 epochs, twice the preset's: over 11 seeds the preset's 8 gain +0.60 +- 0.13 (2.8 std
-        # above the bound), 16 gain +0.75 +- 0.02 (25); the ragged rise stays under the rule at either (4.1 / 3.9). That
-        # spread is the runs' (judged on 256 seeds it is the same; one LoRA's judgements differ by 0.002), and a KL to
-        # the base that narrows it (Flow-GRPO's 0.04) spreads the gain instead; toy_clean in the reward shrinks the shapes
+        # GRPO on toy-sd3 at 16 epochs, twice the preset's, with Flow-GRPO's KL to the base at 0.02. Without the KL the
+        # runs' shapes drift, each seed its own way (ragged rise +0.014 +- 0.022 over 11 seeds, 3.9 std from its bound;
+        # judged on 256 seeds it is the same); the KL at 0.02 holds them (+0.008 +- 0.013, 6.9) and the gain spreads
+        # more (+0.66 +- 0.08; seed 42 +0.48), so its bound sits at +0.2, under its 5-std point (+0.28); at 0.04 seed 0
+        # gains only +0.41. toy_clean in the reward shrinks the shapes
         Case(
             "grpo_sd3",
             "train_grpo.sh",
             "toy_world_sd3",
-            ("--num_epochs", "16"),
+            ("--num_epochs", "16", "--kl_weight", "0.02"),
             **_SD3_CYAN,
-            min_gain=0.25,
+            min_gain=0.2,
             max_grey_drop=0.2,
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
