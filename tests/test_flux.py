@@ -100,6 +100,29 @@ def test_pack_unpack_and_noise_are_the_pipelines(stock):
         family.initial_noise(1, 30, None, torch.float32)
 
 
+def test_position_ids_are_built_once_per_shape_and_serve_a_step_with_gradient(stock, monkeypatch):
+    """The image position ids are the pipeline's, built on the host once per latent shape (not at every network call:
+    on a GPU each copy from the host waits for the stream), and ids first built while sampling (inference mode) serve
+    a later step with gradient."""
+    family = Flux(stock[DEV])
+    built = []
+    make = family.pipe._prepare_latent_image_ids
+    monkeypatch.setattr(family.pipe, "_prepare_latent_image_ids", lambda *a: built.append(a[1:3]) or make(*a))
+    scheduler, t = family.scheduler("FlowMatchEulerDiscreteScheduler"), torch.tensor(500.0)
+    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
+    x = family.initial_noise(2, RES, _generators(), torch.float32)
+    with torch.inference_mode():
+        v = family.predict(x, t, scheduler, cond, None, 3.5)
+        assert torch.equal(family.predict(x, t, scheduler, cond, None, 3.5), v)
+        family.predict(torch.cat([x, x], dim=-1), t, scheduler, cond, None, 3.5)
+    assert built == [(8, 8), (8, 16)]
+    ids = family.constant(("img_ids", 16, 16, x.device, torch.float32), None)
+    assert torch.equal(ids, make(2, 8, 8, "cpu", torch.float32)) and not ids.is_inference()
+    x = x.clone().requires_grad_(True)
+    family.predict(x, t, scheduler, cond, None, 3.5).square().mean().backward()
+    assert x.grad.abs().sum() > 0 and built == [(8, 8), (8, 16)]
+
+
 def _images(family, guidance_scale, steps=4, uncond=False, resolution=RES):
     with torch.no_grad():
         cond, negative = family.encode_prompts(PROMPTS, with_negative=uncond)

@@ -142,6 +142,7 @@ def test_added_conditions_reach_the_unet(stock):
         no_pool = {**cond, "pooled_prompt_embeds": torch.zeros_like(cond["pooled_prompt_embeds"])}
         assert (family.predict(x, t, scheduler, no_pool, None, 1.0) - eps).abs().max() > 1e-4
         assert family.add_time_ids(x, x).tolist() == [[RES, RES, 0, 0, RES, RES]] * 2
+        assert family.add_time_ids(x, x).data_ptr() == family.add_time_ids(x[:1], x).data_ptr()  # built once
         wide = family.predict(torch.cat([x, x], dim=-1), t, scheduler, cond, None, 1.0)[..., : x.shape[-1]]
         assert (wide - eps).abs().max() > 1e-4  # other time ids (and a wider image)
         assert (family.predict(x, t, scheduler, cond, uncond, 5.0) - eps).abs().max() > 1e-4

@@ -81,7 +81,7 @@ def matching_log_likelihood(
     if weighting == "t":
         return -mse * t
     if weighting == "ghuber":
-        eps = torch.tensor(1e-10, dtype=mse.dtype, device=mse.device)
+        eps = mse.new_full((), 1e-10)  # on the device: no copy from the host
         return -((mse + eps) ** ghuber_power - eps**ghuber_power) * t / ghuber_power
     raise ValueError(f"weighting must be one of {AWM_WEIGHTINGS}, not {weighting!r}")
 

@@ -93,9 +93,21 @@ class ModelFamily(ABC):
         self.text_encoder_device: torch.device | str | None = None
         self._prompts_checked: set[str] = set()
         self._truncation_said = False
+        self._constants: dict[tuple, torch.Tensor] = {}
         # The pipeline's encode_prompt warns about a truncated prompt at every call (every batch of a run);
         # `check_prompt_lengths` says it once instead.
         logging.getLogger(type(pipe).__module__).setLevel(logging.ERROR)
+
+    def constant(self, key: tuple, make) -> torch.Tensor:
+        """The tensor `make()` builds, built once per `key` (which names its shape, device and dtype) and kept. For the
+        network call's inputs that the pipeline builds on the host and copies to the device at every call (position
+        ids, micro-conditioning): on a GPU each such copy from pageable memory waits for the stream to drain. Built
+        outside inference mode, so that no inference tensor (which autograd refuses to save for backward) made while
+        sampling reaches a later step with gradient."""
+        if key not in self._constants:
+            with torch.inference_mode(False):
+                self._constants[key] = make()
+        return self._constants[key]
 
     def check_prompt_lengths(self, prompts: list[str]) -> None:
         """Say once per run (this family object) that a prompt is longer than the text encoder of `prompt_reader`

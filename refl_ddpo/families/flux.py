@@ -153,7 +153,10 @@ class Flux(StableDiffusion3):
         guidance = None
         if self.network.config.guidance_embeds:  # the pipeline's transformer: `network` may be wrapped (DDP)
             guidance = torch.full([1], guidance_scale, device=latents.device, dtype=torch.float32).expand(b)
-        img_ids = self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
+        img_ids = self.constant(
+            ("img_ids", h, w, latents.device, dtype),
+            lambda: self.pipe._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype),
+        )
         kwargs = {
             "timestep": timesteps / 1000,
             "guidance": guidance,

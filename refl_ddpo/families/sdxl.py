@@ -63,7 +63,11 @@ class StableDiffusionXL(StableDiffusion):
         `_get_add_time_ids`: original size (H, W), crop top-left (0, 0), target size (H, W), in `like`'s dtype."""
         f = self.vae_scale_factor
         height, width = latents.shape[-2] * f, latents.shape[-1] * f
-        ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=like.dtype, device=like.device)
+        row = [[height, width, 0, 0, height, width]]
+        ids = self.constant(
+            ("time_ids", height, width, like.device, like.dtype),
+            lambda: torch.tensor(row, dtype=like.dtype, device=like.device),
+        )
         return ids.expand(latents.shape[0], 6)
 
     def _unet(self, unet, latents, timesteps, cond: Cond) -> torch.Tensor:
