@@ -73,18 +73,23 @@ FLUX_TINY_FOLDERS = {
 }
 
 
-ARCHITECTURES = {  # the rest: SD v1.5
-    "sd35m_refl": "SD3.5 Medium",
-    "sdxl_refl": "SDXL base 1.0",
-    "flux_refl": "FLUX.1-dev",
-    "flux_grpo_sample": "FLUX.1-dev",
-    "flux_grpo_train": "FLUX.1-dev",
+# case-name prefix -> (the real architecture, the `Bench` attribute holding its configs); the rest: SD v1.5's
+FAMILY_OF_CASE = {
+    "sd35m_": ("SD3.5 Medium", "sd3_configs"),
+    "sdxl_": ("SDXL base 1.0", "sdxl_configs"),
+    "flux_": ("FLUX.1-dev", "flux_configs"),
 }
+
+
+def _family_of(case: str) -> tuple[str, str]:
+    return next(
+        (v for prefix, v in FAMILY_OF_CASE.items() if case.startswith(prefix)), ("SD v1.5", "configs")
+    )
 
 
 def architectures(cases: list[str]) -> str:
     """The real architectures these cases count, e.g. "SDXL base 1.0 architecture"."""
-    return " + ".join(sorted({ARCHITECTURES.get(c, "SD v1.5") for c in cases})) + " architecture"
+    return " + ".join(sorted({_family_of(c)[0] for c in cases})) + " architecture"
 
 
 def _read_json(path: Path) -> dict:
@@ -197,14 +202,7 @@ def run_configs(b: Bench, cases: list[str]) -> dict[str, dict]:
     ImageReward's wherever a ReFL case scores with it."""
     configs = {}
     for case in cases:
-        if case.startswith("sd35m_"):
-            configs.update(b.sd3_configs)
-        elif case.startswith("sdxl_"):
-            configs.update(b.sdxl_configs)
-        elif case.startswith("flux_"):
-            configs.update(b.flux_configs)
-        else:
-            configs.update(b.configs)
+        configs.update(getattr(b, _family_of(case)[1]))
         if case.endswith("refl"):
             configs["reward"] = b.configs["reward"]
     return configs
