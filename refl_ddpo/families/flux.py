@@ -27,7 +27,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from refl_ddpo.families.base import Cond
 from refl_ddpo.families.sd3 import StableDiffusion3
@@ -91,6 +90,8 @@ class Flux(StableDiffusion3):
 
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
         """N(0, 1) latents (B, 16, h, w) as `prepare_latents` draws them before packing."""
+        from diffusers.utils.torch_utils import randn_tensor
+
         f = self.vae_scale_factor
         if resolution % (2 * f):
             raise ValueError(

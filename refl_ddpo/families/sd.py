@@ -8,7 +8,6 @@ import inspect
 from typing import ClassVar
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from refl_ddpo.families.base import Cond, ModelFamily, guided
 from refl_ddpo.steps.ddim import ddim_step_kl, ddim_step_with_logprob_and_x0
@@ -27,6 +26,8 @@ class StableDiffusion(ModelFamily):
         return {"prompt_embeds": prompt_embeds}, (None if negative is None else {"prompt_embeds": negative})
 
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
         f = self.vae_scale_factor
         if resolution % f:
             raise ValueError(f"resolution {resolution} is not a multiple of the VAE scale factor {f}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from refl_ddpo.families.base import Cond, ModelFamily, guided, pooled_conds
 from refl_ddpo.steps.flow_sde import (
@@ -55,6 +54,8 @@ class StableDiffusion3(ModelFamily):
         return pooled_conds(*encoded, with_negative)
 
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
         f, patch = self.vae_scale_factor, self.network.config.patch_size
         if resolution % (f * patch):
             raise ValueError(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 
 def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -30,6 +29,8 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def step_noise(shape, generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """diffusers' `randn_tensor` (the same numbers for the same generators), copied to `device` asynchronously:
     CPU generators draw on the CPU, and a blocking copy would stall the host once per step."""
+    from diffusers.utils.torch_utils import randn_tensor
+
     gen = generator[0] if isinstance(generator, list) else generator
     rand_device = gen.device if gen is not None else torch.device(device)
     noise = randn_tensor(shape, generator=generator, device=rand_device, dtype=dtype)
