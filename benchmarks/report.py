@@ -23,7 +23,7 @@ def fmt_s(seconds: float) -> str:
 def workloads(opts: dict, benches: set[str]) -> list[str]:
     """One phrase per kind of case that ran: its steps and guidance."""
     phrases = []
-    if benches & {"refl", "sd35m_refl", "sdxl_refl", "flux_refl"}:
+    if any(b.endswith("refl") for b in benches):  # every family's ReFL case, as models.run_configs tells them
         phrases.append(
             f"ReFL: {opts['refl_steps']} steps of the family's sampler, grad at fixed step k = {opts['refl_k']} "
             f"({opts['refl_k'] + 1} network calls), CFG off"
@@ -33,7 +33,7 @@ def workloads(opts: dict, benches: set[str]) -> list[str]:
             f"DDPO: {opts['ddpo_steps']} steps, CFG {opts['ddpo_guidance_scale']}, train micro-batch "
             f"{opts['ddpo_train_batch_size']}"
         )
-    if benches & {"flux_grpo_sample", "flux_grpo_train"}:
+    if any(b.startswith("flux_grpo") for b in benches):
         phrases.append(
             f"GRPO on FLUX.1: {opts['ddpo_steps']} flow SDE steps, embedded guidance {opts['ddpo_guidance_scale']}, "
             f"train micro-batch {opts['ddpo_train_batch_size']}"
