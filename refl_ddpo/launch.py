@@ -1,10 +1,12 @@
-"""Start several trainer processes with accelerate (train_scripts/launch.sh), adding two things to `accelerate launch`:
+"""Start several trainer processes with accelerate (train_scripts/launch.sh), adding three things to `accelerate launch`:
 
-1. The processes die with the launcher. torch's elastic agent (which `accelerate launch` runs) starts every worker in
+1. The trainer's checks of flags and files run once, in the launcher, before any process starts (`preflight`, on
+   machine 0): a mistake is one line, not one per process.
+2. The processes die with the launcher. torch's elastic agent (which `accelerate launch` runs) starts every worker in
    a session of its own and stops them only when it can clean up; after a kill -9 of the launcher they ran on as
    orphans, still writing --output_dir. A worker started from here asks the kernel for SIGKILL when its parent dies
    (`die_with_launcher`: Linux's prctl(PR_SET_PDEATHSIG)); elsewhere this is not available and nothing changes.
-2. A user error on any process, or a rendezvous that fails (machine 0 unreachable, the port taken, a machine that
+3. A user error on any process, or a rendezvous that fails (machine 0 unreachable, the port taken, a machine that
    never came within the timeout), reaches the user as its one line. The worker writes it to a file in the launcher's
    REFL_DDPO_ERROR_DIR instead of printing it (`report_user_error`), and the launcher prints the line of the first
    process that failed in place of torch's ChildFailedError report and the agent's log lines about stopping the
@@ -26,7 +28,7 @@ from pathlib import Path
 
 LAUNCHER_PID_ENV = "REFL_DDPO_LAUNCHER_PID"  # the launcher's pid: a worker whose parent is gone stops at once
 ERROR_DIR_ENV = "REFL_DDPO_ERROR_DIR"  # workers write their user error here as rank{RANK}.json
-PREFLIGHT_ENV = "REFL_DDPO_PREFLIGHT"  # launch.sh: only the checks, once, before starting the processes
+PREFLIGHT_ENV = "REFL_DDPO_PREFLIGHT"  # the launcher's `preflight`: only the checks, then stop
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 AGENT_LOGGER = "torch.distributed.elastic"
 
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = launch_command_parser().parse_args(argv)
+    if args.machine_rank == 0:  # machine 0 checks for all (the others would race its claim of --output_dir)
+        preflight(args.training_script, args.training_script_args, args.num_processes)
     held = _HeldLogs()
     with tempfile.TemporaryDirectory(prefix="refl_ddpo_errors.") as errors:
         os.environ[ERROR_DIR_ENV] = errors  # the workers inherit the launcher's environment
@@ -143,6 +147,26 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {rendezvous_message(e, args)}", file=sys.stderr, flush=True)
             sys.exit(2)
         held.finish(replay=True)
+
+
+def preflight(module: str, argv: list[str], num_processes: int) -> None:
+    """The trainer's checks of flags and files, once, here, before any process starts: `python -m MODULE ARGV` with
+    REFL_DDPO_PREFLIGHT set, so that it stops after its pre-load checks. A mistake is its one line and exit code,
+    not one per process under torch's ChildFailedError report; and no process of its own pays the imports."""
+    import runpy
+
+    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in (PREFLIGHT_ENV, "WORLD_SIZE")}
+    os.environ.update({PREFLIGHT_ENV: "1", "WORLD_SIZE": str(num_processes)})
+    sys.argv = [module, *argv]
+    try:  # a trainer that exits (an error, its line printed; --help) stops the launch with its exit code
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        sys.argv = saved_argv
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _is_rendezvous_error(e: BaseException) -> bool:

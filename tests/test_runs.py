@@ -277,23 +277,24 @@ def test_bad_folder_or_checkpoint_is_one_line_before_loading(
 
 @pytest.mark.parametrize("model", ["stable-diffusion", "tiny-sd3"])
 def test_a_preflight_imports_no_model_library(model, tiny_models, tmp_path):
-    """launch.sh runs the checks once, in a process of their own, before it starts several (REFL_DDPO_PREFLIGHT):
-    that process imports torch, not diffusers, transformers, peft or timm, which load with the models (diffusers,
-    through torch._dynamo, was 2.6 s of a preflight's 4.6 s of CPU)."""
+    """The launcher runs the trainer's checks once, before it starts several processes (`launch.preflight`): they
+    import torch, not diffusers, transformers, peft or timm, which load with the models (diffusers, through
+    torch._dynamo, was 2.6 s of a preflight's 4.6 s of CPU), and leave the launcher's argv and environment as they
+    were."""
     code = (
-        "import runpy, sys\nsys.argv[0] = 'refl'\ntry:\n"
-        "    runpy.run_module('refl_ddpo.trainers.refl', run_name='__main__')\n"
-        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "import os, sys\nfrom refl_ddpo.launch import preflight, PREFLIGHT_ENV\nargv = list(sys.argv)\n"
+        "preflight('refl_ddpo.trainers.refl', sys.argv[1:], 2)\n"
+        "assert sys.argv == argv and PREFLIGHT_ENV not in os.environ and 'WORLD_SIZE' not in os.environ\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'diffusers', 'transformers', 'peft', 'timm', 'torch'}))"
     )
     flags = _refl_flags(tiny_models, tmp_path / "out")
     flags[flags.index("--pretrained_model") + 1] = str(tiny_models / model)
-    env = {**script_env(), PREFLIGHT_ENV: "1"}
     r = subprocess.run(
-        [sys.executable, "-c", code, *flags], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code, *flags], env=script_env(), capture_output=True, text=True, check=False
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == "['torch']", r.stdout
+    assert not any((tmp_path / "out").iterdir()), "the checks write nothing"
 
 
 def test_latest_skips_an_incomplete_newest_checkpoint(run_dir, tmp_path, capsys):
@@ -464,6 +465,21 @@ def test_a_user_error_on_one_of_two_processes_is_one_line(tmp_path):
         "error: --some_flag 3 does not fit this model (found on rank 1 after loading); use 2."
     ], err
     assert not any((tmp_path / "tmp").iterdir()), "the launch left folders in the temporary folder"
+
+
+def test_help_on_two_processes_is_printed_once_and_starts_none():
+    """--help under the launcher: the launcher's checks print it and stop the launch (they used to print it, then
+    start the processes, which printed it again, each)."""
+    r = subprocess.run(
+        ["bash", str(REPO / "train_scripts" / "train_refl_lora.sh"), "--help"],
+        cwd=REPO,
+        env=_env(NUM_PROCESSES="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0 and r.stdout.count("usage:") == 1, (r.stdout[-500:], r.stderr[-2000:])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

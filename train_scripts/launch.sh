@@ -81,15 +81,10 @@ launch() {
     echo "running $module: 1 process, GPUs: ${CUDA_VISIBLE_DEVICES:-none set}" >&2
     exec "$PYTHON" -m "$module" "$@"
   fi
-  # Check flags and files once, in one process, so that a mistake is one line rather than one per rank under
-  # torch's ChildFailedError report; the trainers stop after their pre-load checks when REFL_DDPO_PREFLIGHT is set.
-  # Machine 0 checks for all (the others would race its claim of --output_dir on a shared file system).
-  if (( machine_rank == 0 )); then
-    WORLD_SIZE="$nproc" REFL_DDPO_PREFLIGHT=1 "$PYTHON" -m "$module" "$@" || exit $?
-  fi
   local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-  # refl_ddpo.launch is accelerate launch whose processes die with it (no orphans after a kill -9) and which prints a
-  # process' user error, or a failed rendezvous, as its one line, not under torch's ChildFailedError report.
+  # refl_ddpo.launch is accelerate launch that first runs the trainer's checks of flags and files once (on machine 0:
+  # a mistake is one line before any process starts), whose processes die with it (no orphans after a kill -9), and
+  # which prints a process' user error, or a failed rendezvous, as its one line, not under ChildFailedError's report.
   # --quiet: a failing script exits with its own one-line error, not under accelerate's CalledProcessError traceback
   # --mixed_precision no: the trainer sets its own from its flag; --multi_gpu without a GPU runs CPU processes (gloo)
   local args=(--quiet --multi_gpu --num_processes "$nproc" --num_machines "$machines" --machine_rank "$machine_rank"
