@@ -115,16 +115,13 @@ def runs(tiny_models, prompts_file, tmp_path_factory) -> dict[str, Path]:
             *common,
             cwd=SCRIPTS,
         ),
-        # no --pretrained_model / --resolution: both come from the config.json beside the LoRA
-        run_script(
-            "inference_lora.py", "--lora_dir", loras["gaussian"], "--output_dir", out["zero"], *common
-        ),
-        run_script(
-            "inference_lora.py", "--lora_dir", loras["random"], "--output_dir", out["random"], *common
-        ),
     ]
     for p in procs:
         assert p.returncode == 0, p.stderr[-2000:]
+    # base + LoRA in this process (inference_lora.py's main; the script itself: test_lora_of_another_architecture...):
+    # no --pretrained_model / --resolution, both come from the config.json beside the LoRA
+    for name, init in (("zero", "gaussian"), ("random", "random")):
+        inference.main_lora(list(map(str, ["--lora_dir", loras[init], "--output_dir", out[name], *common])))
     return out
 
 

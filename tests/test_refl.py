@@ -178,21 +178,13 @@ def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
     )
 
 
-def test_script_trains_on_the_users_own_differentiable_reward(tiny_models, tmp_path):
-    """--reward pkg.module:function (tests/user_functions.py on PYTHONPATH, marked differentiable) through ReFL."""
-    out = tmp_path / "run"
-    flags = _train_flags(tiny_models, out, 2) + ["--reward", "user_functions:redness"]
-    r = _script(flags, PYTHONPATH=str(REPO / "tests"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-    r = _script(flags[:-1] + ["user_functions:brightness_list"], PYTHONPATH=str(REPO / "tests"))
-    assert r.returncode == 2 and "differentiable = True" in r.stderr.strip().splitlines()[-1]
-
-
-def test_script_trains_on_the_users_prompt_fn_and_resumes_bit_exactly(tiny_models, tmp_path):
-    """--prompt_fn pkg.module:function through ReFL: seeded from the process' stream, so a run resumed from its
-    checkpoint gives the uninterrupted run's LoRA; a prompt_fn that does not import is one line before any model."""
-    flags = ["--prompt_fn", "user_functions:colour_prompt", "--checkpointing_steps", "2"]
+def test_script_trains_on_the_users_reward_and_prompt_fn_and_resumes_bit_exactly(tiny_models, tmp_path):
+    """--reward pkg.module:function (marked differentiable) and --prompt_fn pkg.module:function (tests/user_functions.py
+    on PYTHONPATH) through ReFL: the prompts are seeded from the process' stream, so a run resumed from its checkpoint
+    gives the uninterrupted run's LoRA. A reward not marked differentiable and a prompt_fn that does not import are one
+    line each, before any model."""
+    flags = ["--reward", "user_functions:redness", "--prompt_fn", "user_functions:colour_prompt"]
+    flags += ["--checkpointing_steps", "2"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     r = _script(_train_flags(tiny_models, whole, 4) + flags, PYTHONPATH=str(REPO / "tests"))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -206,9 +198,12 @@ def test_script_trains_on_the_users_prompt_fn_and_resumes_bit_exactly(tiny_model
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(whole / LORA_WEIGHTS_NAME), load_file(resumed / LORA_WEIGHTS_NAME)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    bad = ["--prompt_fn", "user_functions:nope"]
-    r = _script(_train_flags(tiny_models, tmp_path / "bad", 1) + bad, PYTHONPATH=str(REPO / "tests"))
-    assert r.returncode == 2 and "has no nope" in r.stderr.strip().splitlines()[-1]
+    for bad, words in (
+        (["--reward", "user_functions:brightness_list"], "differentiable = True"),
+        (["--prompt_fn", "user_functions:nope"], "has no nope"),
+    ):
+        r = _script(_train_flags(tiny_models, tmp_path / "bad", 1) + bad, PYTHONPATH=str(REPO / "tests"))
+        assert r.returncode == 2 and words in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
 
 
 def test_prompt_draw_takes_the_list_or_the_source_from_one_generator():
