@@ -1,6 +1,7 @@
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,12 +52,27 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(LONG_FIRST)))
 
 
+def _shared_root(tmp_path_factory) -> Path:
+    """The pytest run's temporary folder that every xdist worker sees (each worker's own is inside it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
-    """Tiny random models in the checkpoint/ layout, built once per test session."""
+    """Tiny random models in the checkpoint/ layout, built once per pytest run (under a lock, by the first worker
+    that needs them): every worker's tests name the same paths, so a run one worker made (`two_process_runs`) fits
+    another's. Tests never write to it."""
+    from filelock import FileLock
+
     from refl_ddpo.testing.tiny import write_tiny_models
 
-    return write_tiny_models(tmp_path_factory.mktemp("tiny"))
+    out, done = _shared_root(tmp_path_factory) / "tiny", _shared_root(tmp_path_factory) / "tiny.done"
+    with FileLock(f"{done}.lock"):
+        if not done.is_file():
+            write_tiny_models(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +87,7 @@ def base_judgement(tmp_path_factory):
     needs a base another is judging waits for it)."""
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp()
-    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
+    root = _shared_root(tmp_path_factory)
 
     def judge(case) -> dict[str, float]:
         path = root / f"base-judgement-{'-'.join(case.eval_key)}.json"
@@ -122,19 +137,25 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_process_runs(tiny_models, tmp_path_factory):
-    """Each named two-process run of helpers.TWO_PROCESS_RUNS once per test file: run(name) -> (output folder, completed
-    process)."""
+    """Each named two-process run of helpers.TWO_PROCESS_RUNS once per pytest run, shared by every test file and
+    xdist worker (as `base_judgement`: a folder in the run's common temporary folder, made under a lock; a worker
+    that needs a run the other is making waits for it): run(name) -> (output folder, completed process). Tests read
+    the folders and never write to them."""
+    from filelock import FileLock
     from helpers import TWO_PROCESS_RUNS, run_two
 
-    done = {}
+    root = _shared_root(tmp_path_factory)
 
     def run(name: str):
-        if name not in done:
-            out = tmp_path_factory.mktemp(name) / "run"
-            script, flags = TWO_PROCESS_RUNS[name]
-            done[name] = out, run_two(script, flags(tiny_models, out))
-        return done[name]
+        out, record = root / f"two-process-{name}" / "run", root / f"two-process-{name}.json"
+        with FileLock(f"{record}.lock"):
+            if not record.is_file():
+                script, flags = TWO_PROCESS_RUNS[name]
+                r = run_two(script, flags(tiny_models, out))
+                record.write_text(json.dumps({"stdout": r.stdout, "stderr": r.stderr}))
+        done = json.loads(record.read_text())
+        return out, subprocess.CompletedProcess([name], 0, done["stdout"], done["stderr"])
 
     return run
