@@ -14,8 +14,8 @@
 
     python -m refl_ddpo.launch [accelerate launch flags] -m MODULE [flags ...]
 
-The worker side (`die_with_launcher`, `report_user_error`) is called by `training.run_or_preflight` and imports
-nothing heavy.
+The worker side (`die_with_launcher`, `report_user_error`, `end_worker`) is called by `training.run_or_preflight`
+and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -67,6 +67,26 @@ def report_user_error(message: str, exit_code: int) -> bool:
     tmp.write_text(json.dumps({"message": message, "exit_code": exit_code}))
     os.replace(tmp, path)
     return True
+
+
+def end_worker() -> None:
+    """End a process of a multi-process run (WORLD_SIZE > 1) that has finished its work as multiprocessing's children
+    end: the exit handlers run and the streams are flushed, then os._exit(0) skips the interpreter's teardown.
+
+    In that teardown a thread of torch.distributed that still holds the last reference to a tensor made in Python
+    must take the GIL to free it (seen: gloo's worker freeing the run's last all_gather_object, core dump: runLoop ->
+    ~AsyncAllgatherWork -> decref_pyobject -> take_gil); Python 3.11 ends a thread that asks for the GIL while
+    finalizing with pthread_exit, which libstdc++ turns into std::terminate. The run's files were all written, yet the
+    process died of SIGABRT and the launch failed. Nothing is torn down after this point that the OS does not free."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # what the interpreter's exit would run: trackers', weakref finalizers
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the launcher's side ----

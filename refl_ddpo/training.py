@@ -28,10 +28,11 @@ if TYPE_CHECKING:
 def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
     """Run `train_fn(cfg)`; with REFL_DDPO_PREFLIGHT set (launch.sh, before starting several processes) run only
     `preflight_fn(cfg)`, the checks that need no model. A user error in a worker of launch.sh goes to the launcher,
-    which prints the first one (refl_ddpo.launch); under another launcher only rank 0 says it."""
+    which prints the first one (refl_ddpo.launch); under another launcher only rank 0 says it. One of several
+    processes that trained leaves by `launch.end_worker`."""
     import sys
 
-    from refl_ddpo.launch import die_with_launcher, report_user_error
+    from refl_ddpo.launch import die_with_launcher, end_worker, report_user_error
 
     die_with_launcher()  # a worker of launch.sh stops when its launcher dies, even by kill -9
     try:
@@ -48,6 +49,7 @@ def run_or_preflight(train_fn, cfg, preflight_fn) -> None:
         if int(os.environ.get("RANK", "0")) > 0:
             sys.exit(e.exit_code)
         raise
+    end_worker()  # one of several processes, done: leave without the interpreter's teardown
 
 
 # ---- seeded random streams and weight digests ----

@@ -1,7 +1,8 @@
 """Output folders, resume inputs and process lifetime (refl_ddpo.runs, refl_ddpo.launch): every bad folder, checkpoint
 or LoRA is one line naming what to fix, exit != 0, before any model is loaded and with no weight file written or
-changed; checkpoint rotation keeps other runs' checkpoints; the processes of launch.sh die with their launcher and a
-process' user error is one line. One tiny finished ReFL run serves every resume case (checked in preflight mode)."""
+changed; checkpoint rotation keeps other runs' checkpoints; the processes of launch.sh die with their launcher, a
+process' user error is one line and a finished process of several skips the interpreter's teardown. One tiny finished
+ReFL run serves every resume case (checked in preflight mode)."""
 
 import hashlib
 import json
@@ -409,6 +410,40 @@ def test_inference_replaces_an_earlier_runs_images(tiny_models, tmp_path):
 
 
 # ---- process lifetime under launch.sh (a stand-in trainer: no model, seconds) ----
+
+END_WORKER = """
+import atexit
+from refl_ddpo.launch import end_worker
+
+class Teardown:
+    def __del__(self):
+        print("torn down", flush=True)
+
+atexit.register(lambda: print("exit handlers ran"))
+kept = Teardown()  # collected only by the interpreter's teardown
+print("buffered,", end=" ")
+end_worker()
+print("one process:", end=" ")
+"""
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_finished_process_of_several_skips_only_the_interpreters_teardown(world_size):
+    """launch.end_worker: one of several processes runs the exit handlers, flushes and leaves with os._exit(0), so no
+    thread of torch.distributed can die asking for the GIL in the teardown (SIGABRT after a run had written
+    everything); a single process goes on and ends as usual."""
+    env = {**_env(), "WORLD_SIZE": world_size, "PYTHONPATH": str(REPO)}
+    r = subprocess.run(
+        [sys.executable, "-c", END_WORKER], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    expected = (
+        "buffered, exit handlers ran\n"
+        if world_size == "2"
+        else "buffered, one process: exit handlers ran\ntorn down\n"
+    )
+    assert r.stdout == expected
+
 
 FAKE_TRAINER = """
 import os, sys, time
