@@ -82,8 +82,7 @@ def end_worker() -> None:
         return
     import atexit
 
-    atexit._run_exitfuncs()  # what the interpreter's exit would run: trackers', weakref finalizers
-    logging.shutdown()
+    atexit._run_exitfuncs()  # what the interpreter's exit would run: logging's shutdown, trackers', finalizers
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

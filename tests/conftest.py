@@ -58,20 +58,26 @@ def _shared_root(tmp_path_factory) -> Path:
     return root.parent if "PYTEST_XDIST_WORKER" in os.environ else root
 
 
+def _once(record: Path, make) -> str:
+    """make()'s text, computed by the first xdist worker that asks and kept in `record`; a worker that asks while
+    another computes it waits for it (a file lock)."""
+    from filelock import FileLock
+
+    with FileLock(f"{record}.lock"):
+        if not record.is_file():
+            record.write_text(make())
+    return record.read_text()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     """Tiny random models in the checkpoint/ layout, built once per pytest run (under a lock, by the first worker
     that needs them): every worker's tests name the same paths, so a run one worker made (`two_process_runs`) fits
     another's. Tests never write to it."""
-    from filelock import FileLock
-
     from refl_ddpo.testing.tiny import write_tiny_models
 
-    out, done = _shared_root(tmp_path_factory) / "tiny", _shared_root(tmp_path_factory) / "tiny.done"
-    with FileLock(f"{done}.lock"):
-        if not done.is_file():
-            write_tiny_models(out)
-            done.touch()
+    out = _shared_root(tmp_path_factory) / "tiny"
+    _once(out.with_name("tiny.done"), lambda: str(write_tiny_models(out)))
     return out
 
 
@@ -85,16 +91,11 @@ def base_judgement(tmp_path_factory):
     """case -> the held-out judgement of its base model, computed once per pytest run and shared by every xdist
     worker: a JSON file per evaluation key in the run's common temporary folder, written under a lock (a worker that
     needs a base another is judging waits for it)."""
-    from filelock import FileLock
-
     root = _shared_root(tmp_path_factory)
 
     def judge(case) -> dict[str, float]:
         path = root / f"base-judgement-{'-'.join(case.eval_key)}.json"
-        with FileLock(f"{path}.lock"):
-            if not path.is_file():
-                path.write_text(json.dumps(case.evaluate()))
-            return json.loads(path.read_text())
+        return json.loads(_once(path, lambda: json.dumps(case.evaluate())))
 
     return judge
 
@@ -143,19 +144,19 @@ def two_process_runs(tiny_models, tmp_path_factory):
     xdist worker (as `base_judgement`: a folder in the run's common temporary folder, made under a lock; a worker
     that needs a run the other is making waits for it): run(name) -> (output folder, completed process). Tests read
     the folders and never write to them."""
-    from filelock import FileLock
     from helpers import TWO_PROCESS_RUNS, run_two
 
     root = _shared_root(tmp_path_factory)
 
     def run(name: str):
-        out, record = root / f"two-process-{name}" / "run", root / f"two-process-{name}.json"
-        with FileLock(f"{record}.lock"):
-            if not record.is_file():
-                script, flags = TWO_PROCESS_RUNS[name]
-                r = run_two(script, flags(tiny_models, out))
-                record.write_text(json.dumps({"stdout": r.stdout, "stderr": r.stderr}))
-        done = json.loads(record.read_text())
+        out = root / f"two-process-{name}" / "run"
+
+        def make() -> str:
+            script, flags = TWO_PROCESS_RUNS[name]
+            r = run_two(script, flags(tiny_models, out))
+            return json.dumps({"stdout": r.stdout, "stderr": r.stderr})
+
+        done = json.loads(_once(root / f"two-process-{name}.json", make))
         return out, subprocess.CompletedProcess([name], 0, done["stdout"], done["stderr"])
 
     return run
