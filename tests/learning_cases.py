@@ -266,9 +266,9 @@ CASES: dict[str, Case] = {
         ),
         # The forward-process proofs train toy-sd3 on the word green ("a green circle", "a green square"; judged on "a
         # green triangle" x 64 seeds) with a KL to the base at weight 1, not on the presets' cyan. toy-sd3 draws the
-        # cyan training prompts right 9 times in 10, so their groups differ mostly in toy_clean, and over 14 seeds
-        # some hardly learned the colour (NFT +0.57 +- 0.18, AWM +0.52 +- 0.19: 0.4 and 1.2 std). It draws the green
-        # ones green 1 time in 8: every seed learns (NFT 1.000 on 10 seeds), but without the KL the triangle grows
+        # cyan training prompts cyan about 3 times in 4, the reward has little left to teach, and over 14 seeds some
+        # hardly learned the colour (NFT +0.57 +- 0.18, AWM +0.52 +- 0.19: 0.4 and 1.2 std). It draws the green ones
+        # green 1 time in 8: every seed learns (NFT 1.000 on 10 seeds), but without the KL the triangle grows
         # toward the training prompts' circle and square (grey drop +0.10 +- 0.03, 3.4 std). docs/learning_spread.md
         # DiffusionNFT: clean samples of the Euler sampler, the forward-process loss; over 12 seeds gain +0.68 +- 0.03
         # (7.0 std above the bound), grey drop +0.06 +- 0.02 (7.6)
