@@ -42,7 +42,10 @@ def test_report_merges_folders_splits_recipes_and_wants_enough_seeds(tmp_path):
     )
     text = report(tmp_path / "a", tmp_path / "b")
     preset, trial = text.split("### nft_sd3")[1:]
-    assert "--num_epochs 2" not in preset and "`train_nft.sh --preset toy_world_sd3 --num_epochs 2`" in trial
+    recipe = " ".join(
+        ("train_nft.sh", "--preset", "toy_world_sd3", *CASES["nft_sd3"].flags, "--num_epochs", "2")
+    )
+    assert "--num_epochs 2" not in preset and f"`{recipe}`" in trial
     assert f"{MIN_SEEDS} runs, {MIN_SEEDS} distinct training seeds:" in preset
     n = MIN_SEEDS
     std = 0.1 * (n / (n - 1)) ** 0.5  # half the values 0.1 above the mean, half 0.1 below
