@@ -45,6 +45,9 @@ def test_palette_and_grammar():
     assert (data / "toy_world_cyan.txt").read_text().split("\n")[:2] == list(tw.SD3_TRAIN_PROMPTS)
     assert tw.SD3_TRAIN_PROMPTS == ("a cyan square", "a cyan triangle")
     assert tw.SD3_HELDOUT_PROMPTS == ("a cyan circle",)
+    anchored = (data / "toy_world_cyan_anchored.txt").read_text().split("\n")[:4]
+    assert anchored == [*tw.SD3_TRAIN_PROMPTS, "a magenta square", "a magenta circle"]
+    assert set(anchored) <= set(tw.TRAIN_PROMPTS)  # nothing held out
     assert tw.parse_prompt("a cyan triangle") == ("cyan", "triangle")
     for bad in ("a purple circle", "a red hexagon", "red circle", "a big red circle", ""):
         with pytest.raises(UserError) as e:
