@@ -223,14 +223,18 @@ CASES: dict[str, Case] = {
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
         ),
-        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds. Over 11 seeds DDPO's mean gain clears its
-        # bound by 2.0 std (seed 9 gains only +0.078; per-prompt advantages lift it to +0.39 and lower three others,
-        # 2.9 std over 10 seeds): docs/learning_spread.md
+        # toy-sd3, trained on the word cyan, "a cyan circle" x 64 seeds. DDPO trains on cyan's two prompts with two
+        # magenta ones beside them that toy-sd3 already draws right (toy_world_cyan_anchored). On cyan's two alone a
+        # LoRA can earn the reward by turning squares cyan rather than by the word: seed 9 did (squares 0.69 -> 1.00,
+        # the held-out circle 0.23 -> 0.31), and over 11 seeds the gain cleared its bound by 2.0 std. With the
+        # magenta square in the batch that route loses reward: over 14 seeds no seed is over a bound (seed 9 +0.75),
+        # but the gain (3.7 std), grey drop (4.5) and ragged rise (2.6) are still under the rule
+        # (docs/learning_spread.md)
         Case(
             "ddpo_sd3",
             "train_ddpo.sh",
             "toy_world_sd3",
-            (),
+            ("--prompt_fn", "toy_world_cyan_anchored"),
             **_SD3_CYAN,
             min_gain=0.24,
             max_grey_drop=0.2,
