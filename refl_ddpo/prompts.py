@@ -87,8 +87,8 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     # one colour word's 2 training prompts (a green circle / square; the policy-gradient presets, docs/toy_world.md)
     "toy_world_green": _builtin("toy_world_green"),
     "toy_world_cyan": _builtin("toy_world_cyan"),  # a cyan square / triangle (the toy-sd3 presets)
-    # those two and a magenta square / circle, which toy-sd3 already draws right: a LoRA that turned squares cyan
-    # would lose their reward, so only the colour word pays (DDPO's toy-sd3 proof; docs/learning_spread.md)
+    # those two and a magenta square / circle, which toy-sd3 already draws right: a LoRA that turned every square
+    # cyan would lose their reward (DDPO's toy-sd3 proof; docs/learning_spread.md)
     "toy_world_cyan_anchored": _builtin("toy_world_cyan_anchored"),
 }
 
