@@ -100,7 +100,8 @@ class Case:
     def train(
         self, out: Path, *extra: str, env: dict[str, str] | None = None, timeout: float | None = 900
     ) -> subprocess.CompletedProcess:
-        """Run the case's shell script on one CPU thread, weights to `out` (`timeout` seconds at most)."""
+        """Run the case's shell script, weights to `out` (`timeout` seconds at most): one torch CPU thread, on the CPU
+        unless `extra` names another --device."""
         env = {
             k: v
             for k, v in (os.environ if env is None else env).items()
