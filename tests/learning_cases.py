@@ -211,8 +211,8 @@ CASES: dict[str, Case] = {
             max_ragged_rise=0.1,
         ),
         # GRPO on toy-sd (DDIM log-prob step, the preset's toy_color_match + toy_clean), trained on the word green,
-        # "a green triangle" x 64 seeds. Under the rule on its gain (2.9 std) and ragged rise (0.7 std over 22 seeds:
-        # 6 of them shrink the shapes past the bound; seed 42 does not): docs/learning_spread.md
+        # "a green triangle" x 64 seeds. Under the rule on its gain (2.9 std), grey drop (4.5) and ragged rise (0.8 std
+        # over 30 seeds: 7 of them shrink the shapes past the bound; seed 42 does not): docs/learning_spread.md
         Case(
             "grpo",
             "train_grpo.sh",
