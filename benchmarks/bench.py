@@ -22,7 +22,7 @@ make_accelerator + prepare, the trainers' defaults: LoRA rank 4 on to_q/to_k/to_
                log-probs, VAE decode; the reward is a stand-in pixel mean (JPEG / aesthetic / ImageReward excluded)
   ddpo_train   refl_ddpo.trainers.ddpo.train_on_samples over that batch: every timestep (timestep_fraction 1),
                CFG in the forward, PPO-clip, backward per timestep, one optimizer step for the whole batch
-  inference    refl_ddpo.generate.generate_batch: CLIP text encoder, 50 DDIM steps (eta 0), CFG, VAE decode;
+  inference    refl_ddpo.core.generate.generate_batch: CLIP text encoder, 50 DDIM steps (eta 0), CFG, VAE decode;
                weights in --dtype without autocast (as the inference scripts); reported per image too
   forward      one no-grad forward of each model (UNet at batch 1 without CFG, VAE decoder, text encoder,
                ImageReward): the check that the real architecture builds and runs (cheap on CPU at --resolution 64)
@@ -63,8 +63,8 @@ from benchmarks.memory import run_memory_only
 from benchmarks.models import Bench, architectures, model_configs, parameter_counts, run_configs
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
-from refl_ddpo.errors import cli_main
-from refl_ddpo.flags import parse_config
+from refl_ddpo.core.errors import cli_main
+from refl_ddpo.run.flags import parse_config
 
 
 def run_benchmark(cfg: BenchConfig, argv: list[str]) -> dict:

@@ -35,7 +35,7 @@ def _text_encoder_bytes(family) -> int:
 
 def _flux_trainable(b: Bench, mode: str, config=None):
     """FLUX.1-dev's transformer with LoRA on the family's default targets (the kit's FLUX default) and its family."""
-    from refl_ddpo.families.flux import Flux
+    from refl_ddpo.core.families.flux import Flux
 
     base, params = b.trainable_unet(
         mode, config, name="flux_transformer", targets=list(Flux.lora_target_modules)
@@ -54,7 +54,7 @@ def refl_case(
     FLUX.1-dev (its embedded guidance at the pipeline's 3.5, as the trainer resolves it unset)."""
 
     def setup(b: Bench):
-        from refl_ddpo.backprop import draft_step, refl_step
+        from refl_ddpo.trainers.backprop import draft_step, refl_step
 
         guidance = 1.0  # ReFL's rollout: CFG off
         if flux:
@@ -158,7 +158,7 @@ def _pixel_mean_reward():
 
 def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward):
     """refl_ddpo.trainers.ddpo.sample_epoch for the one batch of `config`, as the DDPO trainer calls it."""
-    from refl_ddpo.rollouts import sample_epoch
+    from refl_ddpo.trainers.rollouts import sample_epoch
 
     return sample_epoch(
         family,
@@ -204,9 +204,9 @@ def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
     GRPO's training pass on FLUX.1-dev (the same function; no CFG: one transformer call per trained step)."""
 
     def setup(b: Bench):
-        from refl_ddpo.rollouts import collect_rewards, stack_samples
         from refl_ddpo.trainers.ddpo import train_on_samples
         from refl_ddpo.trainers.ddpo_config import num_train_timesteps
+        from refl_ddpo.trainers.rollouts import collect_rewards, stack_samples
 
         config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b, flux)
         # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
@@ -253,10 +253,10 @@ def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
 
 
 def inference_case(batch: int) -> Case:
-    """refl_ddpo.generate.generate_batch: text encoder, 50 DDIM steps with CFG, decode (weights in dtype)."""
+    """refl_ddpo.core.generate.generate_batch: text encoder, 50 DDIM steps with CFG, decode (weights in dtype)."""
 
     def setup(b: Bench):
-        from refl_ddpo.generate import generate_batch
+        from refl_ddpo.core.generate import generate_batch
 
         family = b.family(b.build("unet"))
         family.pipe.scheduler = family.scheduler(

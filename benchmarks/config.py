@@ -8,8 +8,8 @@ from typing import Literal
 
 import torch
 
-from refl_ddpo.config import ConfigBase, field_
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.run.config import ConfigBase, field_
 
 CASES = (
     "refl",

@@ -20,7 +20,7 @@ from benchmarks.report import fmt_s, write_files
 def per_sample_flops(configs: dict[str, dict], resolution: int, lora_rank: int) -> dict[str, int]:
     """Model FLOPs of one sample through each model call the cases make, counted on the meta device (no memory,
     no arithmetic): forward only, or forward + backward with the gradients the trainers need."""
-    from refl_ddpo.lora import add_lora, trainable_full_unet
+    from refl_ddpo.core.lora import add_lora, trainable_full_unet
 
     side = resolution // 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
     text_len = configs["text_encoder"]["max_position_embeddings"]

@@ -29,7 +29,7 @@ How the count is made:
 
 Sharded (`--fsdp_world_size N`, the kit's `--fsdp`): the count is rank 0's. The process joins torch's fake process
 group as rank 0 of N (`fake_ranks`: collectives return at once and write nothing, their output buffers are allocated
-as on a GPU), the Bench's accelerator holds the kit's FSDP state (`refl_ddpo.sharding.hold_fsdp_state` with
+as on a GPU), the Bench's accelerator holds the kit's FSDP state (`refl_ddpo.core.sharding.hold_fsdp_state` with
 `fsdp_plugin`), and the case's own `prepare` shards the trained network with accelerate's FSDP2 code (`fully_shard`
 per `_no_split_modules` block and the root, trained tensors upcast to fp32 master weights, bf16 compute, fp32
 gradient reduction). So the count holds 1/N of every parameter (rank 0's padded chunk), of the gradients and AdamW
@@ -37,7 +37,7 @@ states, each block's bf16 parameters while FSDP2 has them all-gathered (its stor
 follows `UntypedStorage.resize_`), the unsharded gradients and their fp32 copies before the reduce-scatter, and
 the activations. Frozen parts (text encoders, VAE, reward) are whole, as the kit keeps them by default; with
 `--fsdp_shard_text_encoders` (FLUX.1 cases, and benchmarks/qwen_memory.py's) the text encoders are sharded after
-setup by the kit's own `refl_ddpo.sharding.shard_frozen` and counted as FSDP2 allocates them. Two fixes for the meta
+setup by the kit's own `refl_ddpo.core.sharding.shard_frozen` and counted as FSDP2 allocates them. Two fixes for the meta
 device only: accelerate maps the optimizer's parameters to the sharded ones by `data_ptr`, 0 for every meta tensor,
 so `MetaBench.prepare` points them at the sharded parameters in order (what the mapping gives on a GPU), and a
 `gc.collect()` after setup drops the unsharded parameters fully_shard replaced (reference cycles the collector frees
@@ -468,7 +468,7 @@ class MetaBench(Bench):
         """Bench.prepare; sharded, the optimizer's parameters set to the sharded ones: accelerate maps them by
         `data_ptr`, which is 0 for every meta tensor (all would map to one parameter); on a GPU its mapping gives
         these, in this order."""
-        from refl_ddpo.sharding import _inner, is_sharded
+        from refl_ddpo.core.sharding import _inner, is_sharded
 
         unet, optimizer = super().prepare(unet, params, config, gradient_accumulation_steps)
         if is_sharded(self.accelerator):
@@ -501,7 +501,7 @@ def case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case:
         return _case_memory(cfg, configs, workdir, case)
     finally:
         if cfg.fsdp_world_size:
-            from refl_ddpo.sharding import release_fsdp_state
+            from refl_ddpo.core.sharding import release_fsdp_state
 
             release_fsdp_state()
 
@@ -512,14 +512,14 @@ def _case_memory(cfg: BenchConfig, configs: dict[str, dict], workdir: Path, case
     with fake_ranks(ranks) if ranks else contextlib.nullcontext(), cuda_on_meta(), PeakMemory() as mem:
         b = MetaBench(cfg, configs, workdir)
         if ranks:  # the kit's --fsdp: accelerate's prepare shards the trained network with fully_shard
-            from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state
+            from refl_ddpo.core.sharding import fsdp_plugin, hold_fsdp_state
 
             hold_fsdp_state(b.accelerator, fsdp_plugin(b.accelerator.mixed_precision))
         run, _ = case.setup(b)
         te = b.text_encoder_bytes  # set by the FLUX.1 cases
         sharded_te = bool(ranks) and cfg.fsdp_shard_text_encoders and te is not None
-        if sharded_te:  # the kit's --fsdp_shard_text_encoders (refl_ddpo.families.load_family)
-            from refl_ddpo.sharding import shard_frozen
+        if sharded_te:  # the kit's --fsdp_shard_text_encoders (refl_ddpo.core.families.load_family)
+            from refl_ddpo.core.sharding import shard_frozen
 
             for module in b.text_encoder_family.text_encoders():
                 shard_frozen(module)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.config import BenchConfig
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REAL_CONFIG_FILES = {
@@ -236,10 +236,10 @@ class Bench:
     def __init__(self, cfg: BenchConfig, configs: dict[str, dict], workdir: Path):
         from transformers import BertTokenizer, CLIPTokenizer
 
-        from refl_ddpo.config import CommonConfig
-        from refl_ddpo.prompts import get_prompt_fn
+        from refl_ddpo.core.prompts import get_prompt_fn
         from refl_ddpo.rewards import imagereward
-        from refl_ddpo.training import make_accelerator
+        from refl_ddpo.run.config import CommonConfig
+        from refl_ddpo.run.training import make_accelerator
 
         self.cfg = cfg
         self.workdir = workdir
@@ -343,7 +343,7 @@ class Bench:
         an SD v1.x folder (its PNDM scheduler config; callers take DDIM / DDPM from it with `family.scheduler`)."""
         from diffusers import PNDMScheduler, StableDiffusionPipeline
 
-        from refl_ddpo.families.sd import StableDiffusion
+        from refl_ddpo.core.families.sd import StableDiffusion
         from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG
 
         return StableDiffusion(
@@ -370,7 +370,7 @@ class Bench:
         `t5`) T5 encoder: what `load_family` gives for an SD3.5 folder (without T5: `drop_t5`)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-        from refl_ddpo.families.sd3 import StableDiffusion3
+        from refl_ddpo.core.families.sd3 import StableDiffusion3
         from refl_ddpo.testing.tiny_parts import t5_tokenizer
 
         return StableDiffusion3(
@@ -398,7 +398,7 @@ class Bench:
         base folder (its Euler scheduler config; force_zeros_for_empty_prompt)."""
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-        from refl_ddpo.families.sdxl import StableDiffusionXL
+        from refl_ddpo.core.families.sdxl import StableDiffusionXL
         from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG
 
         return StableDiffusionXL(
@@ -427,7 +427,7 @@ class Bench:
         `load_family` gives for a FLUX.1-dev folder (its scheduler config: dynamic shifting)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-        from refl_ddpo.families.flux import Flux
+        from refl_ddpo.core.families.flux import Flux
         from refl_ddpo.testing.tiny_flux import DEV_SCHEDULER
         from refl_ddpo.testing.tiny_parts import t5_tokenizer
 
@@ -446,11 +446,11 @@ class Bench:
     def trainable_unet(
         self, mode: str, config=None, name: str = "unet", targets: list[str] | None = None
     ) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
-        """The UNet (or the network `name`) as the trainers set it up (refl_ddpo.training.make_trainable): LoRA on
+        """The UNet (or the network `name`) as the trainers set it up (refl_ddpo.run.training.make_trainable): LoRA on
         a frozen base in dtype (adapters fp32) on `targets` (default: the SD family's), or all of it in fp32;
         gradient checkpointing if asked."""
+        from refl_ddpo.run.training import make_trainable
         from refl_ddpo.trainers.skeleton import trainable_spec
-        from refl_ddpo.training import make_trainable
 
         unet = self.build(name)
         config = dataclasses.replace(
@@ -465,8 +465,8 @@ class Bench:
     def prepare(self, unet, params, config, gradient_accumulation_steps: int = 1):
         """The trainers' `make_optimizer` + `accelerator.prepare(unet, optimizer)`. Sharded (FSDP, the memory count's
         --fsdp_world_size): `params` becomes the sharded parameters in place, as the trainers' `run.params`."""
-        from refl_ddpo.sharding import is_sharded, trainable_params
-        from refl_ddpo.training import make_optimizer
+        from refl_ddpo.core.sharding import is_sharded, trainable_params
+        from refl_ddpo.run.training import make_optimizer
 
         config = config or self.common
         self.accelerator.gradient_accumulation_steps = gradient_accumulation_steps

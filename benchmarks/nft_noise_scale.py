@@ -14,11 +14,11 @@ import sys
 
 import torch
 
-from refl_ddpo.families import cond_cat
+from refl_ddpo.core.families import cond_cat
+from refl_ddpo.run.training import seeded_generator
 from refl_ddpo.trainers.forward_config import NFTConfig
 from refl_ddpo.trainers.nft import NFT
 from refl_ddpo.trainers.skeleton import main_for
-from refl_ddpo.training import seeded_generator
 
 
 class NoiseScale(NFT):

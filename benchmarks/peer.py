@@ -119,7 +119,7 @@ def load_pipeline(side: str, model: str):
     """The StableDiffusionPipeline each trainer trains: ours through refl_ddpo's loader, TRL's through
     `DefaultDDPOStableDiffusionPipeline` (what its DDPO example uses)."""
     if side == "ours":
-        from refl_ddpo.families import load_family
+        from refl_ddpo.core.families import load_family
 
         return load_family(model, torch.float32, "cpu").pipe
     return trl_pipeline(model).sd_pipeline
@@ -210,12 +210,12 @@ def read_prompts(path: str) -> list[str]:
 
 
 def run_ours(cfg: dict, model: str, prompts: str, work: Path, epochs: int, clock: EpochClock) -> None:
-    import refl_ddpo.training
-    from refl_ddpo.flags import parse_config
+    import refl_ddpo.run.training
+    from refl_ddpo.run.flags import parse_config
     from refl_ddpo.trainers.ddpo import train
     from refl_ddpo.trainers.ddpo_config import DDPOConfig
 
-    load = refl_ddpo.training.load_trainable_family
+    load = refl_ddpo.run.training.load_trainable_family
 
     def load_and_watch(*args, **kwargs):  # the trainer's own loader, the counting hook on its UNet
         family, params, dtype = load(*args, **kwargs)
@@ -238,11 +238,11 @@ def run_ours(cfg: dict, model: str, prompts: str, work: Path, epochs: int, clock
         "--report_to=none",
         "--seed=0",
     ]
-    refl_ddpo.training.load_trainable_family = load_and_watch
+    refl_ddpo.run.training.load_trainable_family = load_and_watch
     try:
         train(parse_config(DDPOConfig, argv), image_samples_hook=clock)
     finally:
-        refl_ddpo.training.load_trainable_family = load
+        refl_ddpo.run.training.load_trainable_family = load
 
 
 def run_trl(cfg: dict, model: str, prompts: str, work: Path, epochs: int, clock: EpochClock) -> None:

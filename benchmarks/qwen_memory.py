@@ -5,7 +5,7 @@ meta device, CUDA's autocast and attention kernels, setup, a warm-up run, the pe
 
 (the committed results' command: see BENCHMARKS.md's Qwen-Image section for why 4 steps)
 
-One case is one ReFL optimizer step (refl_ddpo.backprop.refl_step as the trainer calls it: --refl_steps 40 steps,
+One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps 40 steps,
 step --refl_k 35 with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, 1024 px (the pipeline's
 default), bf16, LoRA rank 4 on the family's default targets, CFG off (ReFL's rollout). It is counted four times:
 gradient checkpointing off / on (the transformer's and ImageReward's; diffusers' AutoencoderKLQwenImage has none),
@@ -78,10 +78,10 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
     make_trainable) and its trained parameters."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-    from refl_ddpo.families.qwen_image import QwenImage
+    from refl_ddpo.core.families.qwen_image import QwenImage
+    from refl_ddpo.run.training import make_trainable
     from refl_ddpo.testing.tiny_qwen import QWEN_IMAGE_SCHEDULER, qwen_tokenizer
     from refl_ddpo.trainers.skeleton import trainable_spec
-    from refl_ddpo.training import make_trainable
 
     class BenchQwenImage(QwenImage):
         def _encode(self, prompts):
@@ -139,7 +139,7 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str 
     transformer trained)."""
 
     def setup(b):
-        from refl_ddpo.backprop import refl_step
+        from refl_ddpo.trainers.backprop import refl_step
 
         family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device, mode)
         if text_encoder_on_device:

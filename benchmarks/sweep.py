@@ -14,7 +14,7 @@ import torch
 from benchmarks.config import BenchConfig
 from benchmarks.measure import GIB
 from benchmarks.report import fmt_s
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 BENCH_SCRIPT = Path(__file__).resolve().parent / "bench.py"
 

@@ -40,8 +40,8 @@ class Task:
     what: str
     preset: str  # every configuration of the task runs with --preset this
     model: str  # a folder under toy_world.DATA_DIR
-    prompts: str  # the held-out prompts: a tuple's name in refl_ddpo.toy_world
-    seeds: str  # the evaluation seeds: a tuple's name in refl_ddpo.toy_world
+    prompts: str  # the held-out prompts: a tuple's name in refl_ddpo.toy_world.world
+    seeds: str  # the evaluation seeds: a tuple's name in refl_ddpo.toy_world.world
     target: str  # the configuration whose seed-mean final accuracy is the target
 
 
@@ -232,7 +232,7 @@ def judge(task: Task, lora_dir: Path | None) -> float:
     judge."""
     import torch
 
-    from refl_ddpo import toy_world
+    from refl_ddpo.toy_world import world as toy_world
 
     torch.set_num_threads(1)
     return toy_world.evaluate_model(

@@ -4,7 +4,7 @@
 
 One page per command (COMMANDS): its flags grouped by topic as `--help` groups them (the `group` of `field_`), each
 with its type, default, aliases and help sentence; the defaults that the shell scripts in train_scripts/ pass
-(REFL_DDPO_DEFAULTS, read through `refl_ddpo.flags.parse_layers` as the trainers read them) beside the trainer's
+(REFL_DDPO_DEFAULTS, read through `refl_ddpo.run.flags.parse_layers` as the trainers read them) beside the trainer's
 own where they differ; and the trainer's presets. The output is deterministic: no dates, no absolute paths (a path
 under the repo is written relative to its root).
 
@@ -90,7 +90,7 @@ COMMANDS = (
     Command(
         "inference",
         "Inference",
-        "refl_ddpo.inference_config:InferenceConfig",
+        "refl_ddpo.apps.inference_config:InferenceConfig",
         "",
         "inference/inference.py",
         "refl-ddpo-inference",
@@ -98,7 +98,7 @@ COMMANDS = (
     Command(
         "inference_lora",
         "Inference with a LoRA",
-        "refl_ddpo.inference_config:LoraInferenceConfig",
+        "refl_ddpo.apps.inference_config:LoraInferenceConfig",
         "",
         "inference/inference_lora.py",
         "refl-ddpo-inference-lora",
@@ -152,9 +152,9 @@ def env_var(name: str, value: str):
 
 def script_layers(cls: type, defaults: list[str], argv: list[str] | None = None) -> dict[str, Any]:
     """The field values a script's defaults (and then `argv`) set, read as the trainer reads them: launch.sh passes
-    the defaults in REFL_DDPO_DEFAULTS and `refl_ddpo.flags.parse_layers` parses them (aliases resolved). Raises
+    the defaults in REFL_DDPO_DEFAULTS and `refl_ddpo.run.flags.parse_layers` parses them (aliases resolved). Raises
     SystemExit (argparse) or UserError on a flag or value the command refuses."""
-    from refl_ddpo.flags import DEFAULTS_ENV, parse_layers
+    from refl_ddpo.run.flags import DEFAULTS_ENV, parse_layers
 
     with env_var(DEFAULTS_ENV, " ".join(shlex.quote(a) for a in defaults)):
         return parse_layers(cls, list(argv or []))
@@ -195,7 +195,7 @@ def prose(text: str) -> str:
 
 def type_text(cls: type, f: dataclasses.Field, tp) -> str:
     """The flag's type as build_parser reads it."""
-    from refl_ddpo.flags import unwrap_optional
+    from refl_ddpo.run.flags import unwrap_optional
 
     tp, optional = unwrap_optional(tp)
     if f.name == "preset" and getattr(cls, "PRESETS", None):
@@ -216,8 +216,8 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 def groups(cls: type) -> list[tuple[str, list[dataclasses.Field]]]:
-    """The fields by `--help` section, as build_parser groups them (refl_ddpo.config.field_sections)."""
-    from refl_ddpo.config import field_sections
+    """The fields by `--help` section, as build_parser groups them (refl_ddpo.run.config.field_sections)."""
+    from refl_ddpo.run.config import field_sections
 
     return field_sections(cls)
 
@@ -276,7 +276,7 @@ def page(cmd: Command) -> str:
 
 def flag_tables(cls: type, scripts: dict[str, dict[str, Any]]) -> list[str]:
     """One table per --help section: flag (and aliases), type, default (and the scripts' values), help."""
-    from refl_ddpo.flags import unwrap_optional
+    from refl_ddpo.run.flags import unwrap_optional
 
     hints = typing.get_type_hints(cls)
     aliases = getattr(cls, "ALIASES", {})

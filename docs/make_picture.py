@@ -5,7 +5,7 @@
 
 BASE_RUN and LORA_RUN are output folders of inference/inference.py and inference/inference_lora.py on the same
 prompts and seeds (train_scripts/demo.sh writes them as outputs/demo/base and outputs/demo/refl). Every image is judged
-by the toy world's judge (refl_ddpo.toy_world); the picture shows, per prompt, the first `--per_prompt` seeds before
+by the toy world's judge (refl_ddpo.toy_world.world); the picture shows, per prompt, the first `--per_prompt` seeds before
 (top) and after (bottom), each marked with whether its colour is the prompt's, and a header with the colour accuracy
 over all images of both runs.
 """
@@ -25,7 +25,7 @@ def judged(run: Path) -> list[dict]:
     import torch
     from PIL import Image
 
-    from refl_ddpo import toy_world
+    from refl_ddpo.toy_world import world as toy_world
 
     records = json.loads((run / "scores.json").read_text())["records"]
     for r in records:
@@ -40,7 +40,7 @@ def picture(before: list[dict], after: list[dict], per_prompt: int, title: str):
     """Rows of prompts; per prompt `per_prompt` seeds before | after; a green or red bar under each image."""
     from PIL import Image, ImageDraw
 
-    from refl_ddpo.images import font
+    from refl_ddpo.core.images import font
 
     by_key = {(r["prompt"], r["seed"]): r for r in after}
     prompts = list(dict.fromkeys(r["prompt"] for r in before))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: import refl_ddpo uninstalled
 
-from refl_ddpo.compare import main
+from refl_ddpo.apps.compare import main
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: import refl_ddpo uninstalled
 
-from refl_ddpo.inference import main_base as main
+from refl_ddpo.apps.inference import main_base as main
 
 if __name__ == "__main__":
     main()

@@ -60,7 +60,7 @@ def assert_lora_changes_stock_images(
     if part is not None:
         from safetensors.torch import load_file
 
-        from refl_ddpo.lora import LORA_WEIGHTS_NAME
+        from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
         saved = load_file(Path(lora_dir) / LORA_WEIGHTS_NAME)
         loaded = [n for n, _ in getattr(pipe, part).named_parameters() if "lora_" in n]
@@ -77,9 +77,9 @@ def ddpo_first_update(family, scheduler, params, uncond, prompts, resolution: in
     from accelerate.state import AcceleratorState
 
     from refl_ddpo.algorithms.policy import batch_advantages
-    from refl_ddpo.ppo import train_on_samples
     from refl_ddpo.rewards import build_reward
-    from refl_ddpo.rollouts import sample_epoch, stack_samples
+    from refl_ddpo.trainers.ppo import train_on_samples
+    from refl_ddpo.trainers.rollouts import sample_epoch, stack_samples
 
     prompts = iter(prompts)
     batches = sample_epoch(
@@ -166,7 +166,7 @@ def assert_lora_moves_the_scores(
     (then `extra` flags), and the scored comparison: 2 pairs, a mean difference that is not 0."""
     import json
 
-    from refl_ddpo import compare, inference
+    from refl_ddpo.apps import compare, inference
 
     common = ["--prompts_file", str(prompts), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
     common += ["--num_inference_steps", "3", "--num_images_per_prompt", "2", *extra]
@@ -286,7 +286,7 @@ def dcp_model(checkpoint: Path) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from refl_ddpo.sharding import SHARDS_DIR
+    from refl_ddpo.core.sharding import SHARDS_DIR
 
     saved = dcp.FileSystemReader(checkpoint / SHARDS_DIR).read_metadata().state_dict_metadata
     whole = {k: torch.empty(v.size) for k, v in saved.items() if k.startswith("model.")}
@@ -306,6 +306,6 @@ def saved_lora(folder: Path) -> dict:
     """The LoRA tensors a run or checkpoint folder holds."""
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
     return load_file(folder / LORA_WEIGHTS_NAME)

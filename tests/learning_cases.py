@@ -44,7 +44,7 @@ def lora_digest(folder: Path) -> str:
     import torch
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
     weights = load_file(str(Path(folder) / LORA_WEIGHTS_NAME))
     h = hashlib.sha256()
@@ -74,8 +74,8 @@ class Case:
     preset: str
     flags: tuple[str, ...]
     model: str  # a folder name under toy_world.DATA_DIR
-    prompts: str  # the name of a prompt tuple in refl_ddpo.toy_world
-    eval_seeds: str  # the name of a seed tuple in refl_ddpo.toy_world
+    prompts: str  # the name of a prompt tuple in refl_ddpo.toy_world.world
+    eval_seeds: str  # the name of a seed tuple in refl_ddpo.toy_world.world
     min_gain: float
     max_grey_drop: float | None  # None: not gated (a known reward hack; docs/learning_spread.md)
     max_dirty_rise: float | None
@@ -83,7 +83,7 @@ class Case:
 
     def evaluate(self, lora_dir: Path | None = None) -> dict[str, float]:
         """Colour accuracy, dirty, grey and ragged of the held-out images, in this process."""
-        from refl_ddpo import toy_world
+        from refl_ddpo.toy_world import world as toy_world
 
         return toy_world.evaluate_model(
             toy_world.DATA_DIR / self.model,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import build_reward, is_differentiable
 from refl_ddpo.rewards.aesthetic import HEAD_NAME, AestheticHead, _head_dims, load, preprocess
 
@@ -114,7 +114,7 @@ def test_wrong_head_file_is_one_line_error(tiny_models, tmp_path):
 def test_cli_reward_flag_error_exits_nonzero(tmp_path):
     """Through a script the missing files surface as one 'error:' line and a non-zero exit, no traceback."""
     code = (
-        "from refl_ddpo.errors import cli_main\nfrom refl_ddpo.rewards import build_reward\n"
+        "from refl_ddpo.core.errors import cli_main\nfrom refl_ddpo.rewards import build_reward\n"
         f"cli_main(lambda: build_reward('aesthetic', 'cpu', model_dir={str(tmp_path)!r}))()"
     )
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.config import BenchConfig
 from benchmarks.models import parameter_counts, real_configs
 from benchmarks.sweep import _VARIANT_FIELDS, child_flags
-from refl_ddpo.flags import parse_config
+from refl_ddpo.run.flags import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks" / "bench.py"

@@ -131,7 +131,7 @@ def test_hpsv2_released_layout_loads_with_weights_only(tiny_models, tmp_path):
     import open_clip
     from safetensors.torch import load_file
 
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
     from refl_ddpo.rewards import hpsv2
 
     folder = tiny_models / "hpsv2"
@@ -155,7 +155,7 @@ def test_hpsv2_released_layout_loads_with_weights_only(tiny_models, tmp_path):
 
 
 def test_missing_files_offline_is_one_line(tmp_path, monkeypatch):
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
     from refl_ddpo.rewards import clip
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

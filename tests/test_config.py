@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from refl_ddpo.config import CommonConfig
-from refl_ddpo.errors import UserError
-from refl_ddpo.flags import parse_config
-from refl_ddpo.prompts import get_prompt_fn, load_prompts
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import get_prompt_fn, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.run.config import CommonConfig
+from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers.refl_config import ReFLConfig
 
 
@@ -174,7 +174,7 @@ def test_a_bad_flag_fails_without_importing_model_code():
     import sys
 
     code = (
-        "import sys\nfrom refl_ddpo.flags import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
+        "import sys\nfrom refl_ddpo.run.flags import parse_config\nfrom refl_ddpo.trainers.ddpo_config import "
         "DDPOConfig\ntry:\n    parse_config(DDPOConfig, ['--reward', 'nope'])\nexcept Exception as e:\n"
         "    print(type(e).__name__)\nprint(sorted(m for m in sys.modules if m.startswith(('diffusers', "
         "'transformers', 'refl_ddpo.rewards.'))))"
@@ -218,7 +218,7 @@ _NUMBER_CASES = [  # (config, argv, what the one line must name)
 
 
 def _config_class(name):
-    from refl_ddpo.inference_config import InferenceConfig, LoraInferenceConfig
+    from refl_ddpo.apps.inference_config import InferenceConfig, LoraInferenceConfig
     from refl_ddpo.trainers.ddpo_config import DDPOConfig
     from refl_ddpo.trainers.refl_config import ReFLConfig
 

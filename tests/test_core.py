@@ -8,12 +8,12 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler, StableDiffusionPipeline
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.families import load_family
-from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.lora import add_lora, save_lora
-from refl_ddpo.models import load_pipeline
-from refl_ddpo.sampling import denoise
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import load_family
+from refl_ddpo.core.families.sd import StableDiffusion
+from refl_ddpo.core.lora import add_lora, save_lora
+from refl_ddpo.core.models import load_pipeline
+from refl_ddpo.core.sampling import denoise
 
 PROMPTS = ["a photo of a cat", "a red bird"]
 RES = 32
@@ -161,7 +161,7 @@ def test_tiny_cli_builds_a_loadable_pipeline(tmp_path, monkeypatch):
 def test_unreachable_hub_id_is_one_line_error_exit_2(tmp_path):
     """No network here: a hub id ends in one `error:` line and exit code 2, not a traceback."""
     code = (
-        "from refl_ddpo.errors import cli_main; from refl_ddpo.models import load_pipeline; "
+        "from refl_ddpo.core.errors import cli_main; from refl_ddpo.core.models import load_pipeline; "
         "cli_main(load_pipeline)('CompVis/stable-diffusion-v1-4')"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}

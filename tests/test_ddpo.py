@@ -22,17 +22,17 @@ from refl_ddpo.algorithms.policy import (
     compute_advantages,
     ppo_clip_loss,
 )
-from refl_ddpo.errors import UserError
-from refl_ddpo.families import load_family, resolve_guidance
-from refl_ddpo.families.base import cond_expand
-from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.ppo import train_on_samples
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import load_family, resolve_guidance
+from refl_ddpo.core.families.base import cond_expand
+from refl_ddpo.core.families.sd import StableDiffusion
+from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.core.steps.ddim import ddim_step_kl
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.rollouts import sample_epoch, shuffle_samples, stack_samples
-from refl_ddpo.steps.ddim import ddim_step_kl
 from refl_ddpo.trainers import ddpo
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, num_train_timesteps, parse_ddpo_config
+from refl_ddpo.trainers.ppo import train_on_samples
+from refl_ddpo.trainers.rollouts import sample_epoch, shuffle_samples, stack_samples
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_ddpo.sh"
@@ -627,7 +627,7 @@ def test_script_trains_on_the_users_own_reward_and_prompt_fn(tiny_models, tmp_pa
 def test_script_validates_by_epoch_and_writes_the_model_card(trained):
     from huggingface_hub import ModelCard
 
-    from refl_ddpo.validation import validation_files
+    from refl_ddpo.run.validation import validation_files
 
     out, r = trained
     records = validation_files(out)

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-2 through accelerate (--deepspeed_zero 2, refl_ddpo/zero.py), on CPU processes over gloo.
+"""DeepSpeed ZeRO-2 through accelerate (--deepspeed_zero 2, refl_ddpo/run/zero.py), on CPU processes over gloo.
 
 ZeRO-2 partitions the optimizer state and the gradients, not the arithmetic: two processes under it train the weights
 of the same two processes without it (DDP) to 1e-5 (GRPO on tiny SD3, LoRA, its KL switching the LoRA off, the
@@ -6,7 +6,7 @@ gradients clipped by DeepSpeed at --max_grad_norm); a run resumed from our check
 (safetensors, no DeepSpeed pickles) equals the uninterrupted one bit for bit; a NaN gradient stops a ReFL run in one
 line before the update (DeepSpeed skips the step, the guard sees its inf norm); ZeRO-3, --fsdp beside it and one
 process are refused in one line before any model loads. On the CPU DeepSpeed's shared-memory op is left out
-(refl_ddpo.zero.without_cpu_comm_op): nothing is compiled."""
+(refl_ddpo.run.zero.without_cpu_comm_op): nothing is compiled."""
 
 import pytest
 import torch
@@ -23,8 +23,8 @@ from helpers import (
     trainer_flags,
 )
 
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
-from refl_ddpo.zero import OPTIMIZER_FILE, OPTIMIZER_GROUPS
+from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
+from refl_ddpo.run.zero import OPTIMIZER_FILE, OPTIMIZER_GROUPS
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -126,10 +126,10 @@ def test_zero3_zero2_with_fsdp_and_zero2_on_one_process_are_one_line_before_load
 
 
 def test_accelerate_config_file_names_the_settings_of_the_flag():
-    """train_scripts/accelerate/deepspeed_zero2.yaml names what --deepspeed_zero 2 builds (refl_ddpo.zero)."""
+    """train_scripts/accelerate/deepspeed_zero2.yaml names what --deepspeed_zero 2 builds (refl_ddpo.run.zero)."""
     import yaml
 
-    from refl_ddpo.zero import deepspeed_config
+    from refl_ddpo.run.zero import deepspeed_config
 
     shipped = yaml.safe_load((REPO / "train_scripts" / "accelerate" / "deepspeed_zero2.yaml").read_text())
     assert shipped["distributed_type"] == "DEEPSPEED"

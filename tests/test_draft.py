@@ -9,12 +9,12 @@ import torch
 from helpers import trainer_flags
 
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, parse_backprop_steps
-from refl_ddpo.backprop import draft_step
-from refl_ddpo.families import load_family
-from refl_ddpo.families.sd3 import StableDiffusion3
-from refl_ddpo.lora import add_lora
+from refl_ddpo.core.families import load_family
+from refl_ddpo.core.families.sd3 import StableDiffusion3
+from refl_ddpo.core.lora import add_lora
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.trainers import refl
+from refl_ddpo.trainers.backprop import draft_step
 
 RES, T = 32, 6
 PROMPTS = ["a photo of a cat", "a red bird"]
@@ -140,7 +140,7 @@ def test_gradient_flows_through_exactly_the_last_k_network_calls(sd_setup, k, ch
 def test_kl_over_draft_steps_is_the_mean_noise_prediction_mse_to_the_base(sd_setup):
     """DRaFT's KL regulariser: at each of the last K steps, mean((eps_lora - eps_base)^2) at that step's x_t under CFG,
     averaged over the K steps; its gradient reaches the LoRA."""
-    from refl_ddpo.backprop import kl_to_base
+    from refl_ddpo.trainers.backprop import kl_to_base
 
     family, params, cond, uncond, noise, reward = sd_setup
     scheduler = family.rollout_scheduler("ddim")
@@ -285,7 +285,7 @@ def _args(tiny_models, out: Path, *extra: str) -> list[str]:
 def test_trainer_runs_alignprop_draft_lv_and_draft_with_kl(tiny_models, tmp_path, capsys, flags, says):
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
     out = tmp_path / "out"
     refl.main(_args(tiny_models, out, *flags))

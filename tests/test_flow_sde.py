@@ -8,7 +8,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from refl_ddpo import flow_sde_step_with_logprob
-from refl_ddpo.steps.flow_sde import flow_euler_step, flow_sde_step_kl
+from refl_ddpo.core.steps.flow_sde import flow_euler_step, flow_sde_step_kl
 
 REF = torch.load(Path(__file__).parent / "fixtures" / "flow_grpo_ref.pt", weights_only=True)
 

@@ -20,9 +20,9 @@ from helpers import (
     trainer_flags,
 )
 
-from refl_ddpo.families import cond_expand, family_class, load_family
-from refl_ddpo.families.flux import Flux
-from refl_ddpo.sampling import denoise
+from refl_ddpo.core.families import cond_expand, family_class, load_family
+from refl_ddpo.core.families.flux import Flux
+from refl_ddpo.core.sampling import denoise
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -57,7 +57,7 @@ def test_load_family_picks_flux_from_model_index(tiny_models):
 
 
 def test_drop_t5_is_refused_in_one_line(tiny_models):
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
 
     with pytest.raises(UserError, match="cannot run without it"):
         load_family(str(tiny_models / DEV), drop_t5=True)
@@ -203,7 +203,7 @@ def test_true_cfg_is_off_by_default_and_equals_the_pipelines_when_on(stock):
 def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
     """ReFL's path (no grad to step k, one step with grad, predicted x0, VAE decode) on FLUX's default targets,
     the single blocks' projections included."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     family = load_family(str(tiny_models / DEV))
     network = family.network
@@ -241,7 +241,7 @@ def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
     """DDPO's sample buffers carry FLUX's conditioning (T5 (N, 512, 64), pooled (N, 32)) and its (B, 16, h, w)
     latents through stacking, shuffling and slicing; the first PPO step recomputes the flow SDE step's log-probs
     (dev's embedded guidance 3.5): approx KL 0, nothing clipped."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     torch.manual_seed(0)
     family = load_family(str(tiny_models / DEV))
@@ -303,9 +303,9 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 ):
     """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's images;
     the run, the validation files and the model card name the family."""
-    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.run.model_card import CARD_NAME
+    from refl_ddpo.run.validation import validation_files
     from refl_ddpo.trainers import refl
-    from refl_ddpo.validation import validation_files
 
     prompts = tmp_path / "validation.txt"
     prompts.write_text("a photo of a cat\n")
@@ -371,7 +371,7 @@ def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
     resumes from it ends with the bit-identical LoRA."""
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
     from refl_ddpo.trainers import refl
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -402,7 +402,7 @@ def test_resumed_grpo_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
 
     from safetensors.torch import load_file
 
-    from refl_ddpo.lora import LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
     from refl_ddpo.trainers import grpo
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -439,7 +439,7 @@ def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_mo
 
 
 def _guidance_flags(cls, model: Path, *flags: str):
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.run.flags import parse_config
 
     return parse_config(cls, ["--pretrained_model", str(model), *flags])
 
@@ -466,7 +466,7 @@ def test_unset_guidance_flags_resolve_per_family_and_a_set_one_wins(tiny_models)
     """Every trainer's guidance flags: unset, FLUX.1-dev (and schnell, which ignores it) gets the pipeline's 3.5
     and SD 1.x its CFG default as before; a value the user gives is kept on both; the DDPO-style alias reads the
     resolved value."""
-    from refl_ddpo.families import resolve_guidance
+    from refl_ddpo.core.families import resolve_guidance
 
     for cls in _config_classes():
         defaults = GUIDANCE_FIELDS[cls.__name__]
@@ -516,8 +516,8 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
     import numpy as np
     from PIL import Image
 
-    from refl_ddpo import inference
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.apps import inference
+    from refl_ddpo.run.flags import parse_config
 
     seen = []
     predict = Flux.predict

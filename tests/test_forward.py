@@ -17,7 +17,7 @@ from refl_ddpo.algorithms.forward import (
     output_mse,
     soft_update_,
 )
-from refl_ddpo.families import load_family
+from refl_ddpo.core.families import load_family
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,8 +25,8 @@ from helpers import (
     saved_lora,
 )
 
-from refl_ddpo.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
-from refl_ddpo.sharding import SHARDS_DIR, peft_keys_to_model
+from refl_ddpo.core.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
+from refl_ddpo.core.sharding import SHARDS_DIR, peft_keys_to_model
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -78,8 +78,8 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights_on_as_many_proc
     """Resumed with latest from the FSDP run's sharded checkpoint-2 (what a run killed after it leaves;
     helpers.resume_two): the final LoRA and the last checkpoint's counters equal the
     uninterrupted run's bit for bit. On another process count it is one line (as for every checkpoint)."""
-    from refl_ddpo.errors import UserError
-    from refl_ddpo.resume_fit import check_resume_fits
+    from refl_ddpo.core.errors import UserError
+    from refl_ddpo.run.resume_fit import check_resume_fits
     from refl_ddpo.trainers.refl_config import ReFLConfig
 
     reference, _ = two_process_runs("refl-fsdp")
@@ -122,7 +122,7 @@ def _encode_sharded(rank: int, tiny_models, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from refl_ddpo.families import load_family
+    from refl_ddpo.core.families import load_family
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def _encode_sharded(rank: int, tiny_models, port: int) -> None:
 
 def test_sharded_text_encoders_encode_as_the_whole_ones(tiny_models):
     """FLUX.1's CLIP and T5 and Qwen-Image's Qwen2.5-VL, sharded per block over two processes
-    (`refl_ddpo.sharding.shard_frozen`): the same conditioning as unsharded, bit for bit (`_encode_sharded`)."""
+    (`refl_ddpo.core.sharding.shard_frozen`): the same conditioning as unsharded, bit for bit (`_encode_sharded`)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_encode_sharded, args=(tiny_models, free_port()), nprocs=2)

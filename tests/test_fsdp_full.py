@@ -20,8 +20,8 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from refl_ddpo.lora import FULL_UNET_DIR
-from refl_ddpo.sharding import SHARDS_DIR
+from refl_ddpo.core.lora import FULL_UNET_DIR
+from refl_ddpo.core.sharding import SHARDS_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -88,11 +88,11 @@ def test_flux_lora_under_fsdp_equals_the_unsharded_run_and_loads_in_the_stock_pi
 
 
 def test_the_shipped_accelerate_config_is_the_plugin_that_fsdp_builds():
-    """train_scripts/accelerate/fsdp2.yaml names the settings of --fsdp's plugin (refl_ddpo.sharding.fsdp_plugin)."""
+    """train_scripts/accelerate/fsdp2.yaml names the settings of --fsdp's plugin (refl_ddpo.core.sharding.fsdp_plugin)."""
     import yaml
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from refl_ddpo.sharding import fsdp_plugin
+    from refl_ddpo.core.sharding import fsdp_plugin
 
     shipped = yaml.safe_load((REPO / "train_scripts" / "accelerate" / "fsdp2.yaml").read_text())
     assert shipped["distributed_type"] == "FSDP"
@@ -142,7 +142,7 @@ def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts
 ):
     """--fsdp: loading, LoRA and the fp32 upcast leave the whole network on the CPU (prepare's fully_shard puts only
     each process' shard on the device), the frozen parts on the device; without --fsdp all of it on the device."""
-    from refl_ddpo.training import TrainableSpec, load_trainable_family
+    from refl_ddpo.run.training import TrainableSpec, load_trainable_family
 
     spec = TrainableSpec(
         use_lora=use_lora,
@@ -186,9 +186,9 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     from benchmarks.memory import PeakMemory, fake_ranks, round_block
-    from refl_ddpo.sharding import fsdp_plugin, hold_fsdp_state, local, release_fsdp_state
+    from refl_ddpo.core.sharding import fsdp_plugin, hold_fsdp_state, local, release_fsdp_state
+    from refl_ddpo.run.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
     from refl_ddpo.trainers.skeleton import Run, prepare
-    from refl_ddpo.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
 
     def move(params, buffers, device):
         """FSDP2's _move_states_to_device, with swap_tensors where its `.data =` refuses CPU -> meta (as it takes

@@ -24,7 +24,7 @@ from helpers import (
     trainer_flags,
 )
 
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
+from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 

@@ -13,17 +13,17 @@ from helpers import kill_after, run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
-from refl_ddpo.errors import UserError
-from refl_ddpo.families import load_family
-from refl_ddpo.flags import parse_config
-from refl_ddpo.lora import LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.ppo import train_on_samples
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import load_family
+from refl_ddpo.core.lora import LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.core.sampling import denoise
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.rollouts import draw_window_start, epoch_groups, sample_epoch, stack_samples
-from refl_ddpo.sampling import denoise
+from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 from refl_ddpo.trainers.grpo import grouped_epoch
 from refl_ddpo.trainers.grpo_config import GRPOConfig
+from refl_ddpo.trainers.ppo import train_on_samples
+from refl_ddpo.trainers.rollouts import draw_window_start, epoch_groups, sample_epoch, stack_samples
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_grpo.sh"
@@ -288,9 +288,9 @@ def test_ratio_by_step_averages_the_ratios_of_each_sampler_step(tiny_sd):
 def test_beta_adds_the_mean_space_kl_to_the_base_model_on_sd3(tiny_models):
     """On SD3 (Flow-GRPO's SDE step) with zero advantages the loss is beta * ||mean - mean_base||^2 / (2 std_t^2),
     the step means computed by flow_sde_step_with_logprob with the LoRA on and off (averaged per dimension)."""
-    from refl_ddpo.families.sd3 import StableDiffusion3
-    from refl_ddpo.lora import adapters_off
-    from refl_ddpo.steps.flow_sde import flow_sde_step_with_logprob
+    from refl_ddpo.core.families.sd3 import StableDiffusion3
+    from refl_ddpo.core.lora import adapters_off
+    from refl_ddpo.core.steps.flow_sde import flow_sde_step_with_logprob
 
     torch.manual_seed(0)
     family = load_family(str(tiny_models / "tiny-sd3"))
@@ -487,7 +487,7 @@ def test_flux_presets_parse_and_resolve_on_a_flux_model(
     """Each FLUX.1-dev preset parses (its checks pass), its numbers are its source's, and it resolves on a FLUX.1
     folder as the trainer resolves it before loading (the model, the reward's files, the LoRA targets, the guidance:
     3.5 embedded, sampled and validated alike); its groups fit one GPU."""
-    from refl_ddpo.families.flux import Flux
+    from refl_ddpo.core.families.flux import Flux
     from refl_ddpo.trainers.ddpo_config import epoch_sizes
     from refl_ddpo.trainers.grpo_config import FLOW_GRPO_FLUX_LORA, check_group_arithmetic
     from refl_ddpo.trainers.skeleton import shared_checks

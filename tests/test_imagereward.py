@@ -11,7 +11,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from refl_ddpo import rewards
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import imagereward as ir
 from refl_ddpo.testing.tiny_rewards import write_imagereward
 

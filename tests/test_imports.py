@@ -97,13 +97,18 @@ def test_refl_ddpo_has_no_import_cycle():
 
 def test_validation_reaches_no_command_line_module():
     """Validation during training draws and scores through generate and the rewards, not through a script's module."""
-    graph, seen, todo = import_graph(), set(), ["refl_ddpo.validation"]
+    graph, seen, todo = import_graph(), set(), ["refl_ddpo.run.validation"]
     while todo:
         for nxt in graph[todo.pop()] - seen:
             seen.add(nxt)
             todo.append(nxt)
-    cli = {"refl_ddpo.inference", "refl_ddpo.inference_config", "refl_ddpo.compare", "refl_ddpo.tiny"}
-    assert "refl_ddpo.generate" in seen and not seen & cli, sorted(seen & cli)
+    cli = {
+        "refl_ddpo.apps.inference",
+        "refl_ddpo.apps.inference_config",
+        "refl_ddpo.apps.compare",
+        "refl_ddpo.tiny",
+    }
+    assert "refl_ddpo.core.generate" in seen and not seen & cli, sorted(seen & cli)
     assert not any(m.startswith("refl_ddpo.trainers") for m in seen)
 
 

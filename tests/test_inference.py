@@ -12,14 +12,14 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo import compare, inference
-from refl_ddpo.compare import compare_runs, paired_bootstrap_ci
-from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.flags import parse_config
-from refl_ddpo.generate import generate_batch
-from refl_ddpo.inference_config import LoraInferenceConfig
-from refl_ddpo.lora import add_lora, save_lora
-from refl_ddpo.models import load_pipeline
+from refl_ddpo.apps import compare, inference
+from refl_ddpo.apps.compare import compare_runs, paired_bootstrap_ci
+from refl_ddpo.apps.inference_config import LoraInferenceConfig
+from refl_ddpo.core.families.sd import StableDiffusion
+from refl_ddpo.core.generate import generate_batch
+from refl_ddpo.core.lora import add_lora, save_lora
+from refl_ddpo.core.models import load_pipeline
+from refl_ddpo.run.flags import parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "inference"
@@ -252,8 +252,8 @@ def test_lora_with_more_blocks_is_refused(tiny_sd, tmp_path):
         "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
     }
     lora = make_lora(tiny_sd, tmp_path / "lora3", "random", **extra)
-    from refl_ddpo.errors import UserError
-    from refl_ddpo.lora import load_lora_into_pipeline
+    from refl_ddpo.core.errors import UserError
+    from refl_ddpo.core.lora import load_lora_into_pipeline
 
     with pytest.raises(UserError, match="another architecture"):
         load_lora_into_pipeline(load_pipeline(str(tiny_sd)), lora)
@@ -264,9 +264,9 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    import refl_ddpo.models
+    import refl_ddpo.core.models
 
-    monkeypatch.setattr(refl_ddpo.models, "load_pipeline", refuse)
+    monkeypatch.setattr(refl_ddpo.core.models, "load_pipeline", refuse)
 
 
 @pytest.mark.parametrize(
@@ -443,7 +443,7 @@ def test_compare_runs_pairs_by_prompt_and_seed():
     assert (r["wins"], r["ties"], r["losses"]) == (1, 1, 1) and r["win_rate"] == 0.5  # ties count half
     assert r["mean_difference"] == pytest.approx(0.5 / 3)
     assert {p["prompt"]: p["delta"] for p in r["per_prompt"]} == {"a": 0.25, "b": 0.0}
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
 
     with pytest.raises(UserError, match="different \\(prompt, seed\\) pairs"):
         compare_runs(before, _run([("a", 1, 0.0), ("a", 2, 1.0), ("b", 4, 2.0)]))

@@ -1,8 +1,12 @@
-"""The library does not depend on its test support: no module of refl_ddpo outside refl_ddpo/testing/ imports
-refl_ddpo.testing or the refl_ddpo.tiny shim (at module level or inside a function), read from the source with ast."""
+"""The package's folders are its layers and its arrows point down: each module imports only from its own layer or
+the layers below it (LAYERS, lowest first), the top level holds only the package root and the `tiny` shim, and the
+library does not depend on its test support (no module outside refl_ddpo/testing/ imports refl_ddpo.testing or the
+refl_ddpo.tiny shim, at module level or inside a function). Imports are read from the source with ast."""
 
 import ast
 from pathlib import Path
+
+from test_imports import import_graph
 
 PACKAGE = Path(__file__).resolve().parent.parent / "refl_ddpo"
 FORBIDDEN = ("refl_ddpo.testing", "refl_ddpo.tiny")
@@ -70,10 +74,65 @@ def test_the_check_sees_every_form_of_import(tmp_path):
         "from .. import testing": 1,
         "from ..testing import tiny": 1,
         "def f():\n    from refl_ddpo.testing.toy_build import main\n    return main": 1,
-        "import refl_ddpo.toy_world\nfrom refl_ddpo import rewards, toy_world\nfrom . import clip": 0,
+        "import refl_ddpo.toy_world.world\nfrom refl_ddpo import rewards, toy_world\nfrom . import clip": 0,
         "from refl_ddpo.tinyness import x\nimport refl_ddpo.testing_tools": 0,
     }
     for i, (source, expected) in enumerate(forms.items()):
         path = fake / "rewards" / f"m{i}.py"
         path.write_text(source + "\n")
         assert len(forbidden_imports(path, fake)) == expected, source
+
+
+# Lowest first: a module may import its own layer and the layers before it, never one after it.
+LAYERS = ("algorithms", "core", "toy_world", "rewards", "run", "trainers", "apps", "testing")
+TOP_LEVEL = {
+    "refl_ddpo",
+    "refl_ddpo.tiny",
+}  # the package root (lazy re-exports) and `python -m refl_ddpo.tiny`
+
+
+def layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import that points up a layer (or reaches into the package root's shim)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if module in TOP_LEVEL:
+            continue
+        for target in sorted(targets - {"refl_ddpo"}):
+            if target in TOP_LEVEL - {"refl_ddpo"} or LAYERS.index(layer(target)) > LAYERS.index(
+                layer(module)
+            ):
+                bad.append(f"{module} ({layer(module)}) imports {target} ({layer(target)}), a layer above it")
+    return bad
+
+
+def test_every_module_sits_in_a_layer_folder():
+    graph = import_graph()
+    assert len(graph) > 40
+    loose = sorted(m for m in graph if m not in TOP_LEVEL and layer(m) is None)
+    assert not loose, f"modules outside the layer folders {LAYERS}: {loose}"
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, top
+
+
+def test_imports_point_down_the_layers():
+    bad = upward_imports(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_arrow_up():
+    graph = {
+        "refl_ddpo.core.lora": {"refl_ddpo.core.errors", "refl_ddpo.algorithms.policy"},
+        "refl_ddpo.run.training": {"refl_ddpo.core.lora", "refl_ddpo.rewards"},
+        "refl_ddpo.core.families": {"refl_ddpo.run.sharding"},  # up: core -> run
+        "refl_ddpo.rewards.toy": {"refl_ddpo.toy_world.world", "refl_ddpo.tiny"},  # the shim: never
+        "refl_ddpo": {"refl_ddpo.core.steps.ddim"},  # the root may re-export
+    }
+    assert upward_imports(graph) == [
+        "refl_ddpo.core.families (core) imports refl_ddpo.run.sharding (run), a layer above it",
+        "refl_ddpo.rewards.toy (rewards) imports refl_ddpo.tiny (None), a layer above it",
+    ]

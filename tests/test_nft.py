@@ -13,7 +13,7 @@ import torch
 from helpers import kill_after, script_env, trainer_flags
 from safetensors.torch import load_file
 
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
+from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 RES = 32

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import trainer_flags
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import REWARDS
 
 RES = 32
@@ -179,7 +179,7 @@ def test_ddpo_non_finite_rewards_are_an_error_by_default():
 
 
 def test_non_finite_weights_are_never_saved():
-    from refl_ddpo.checkpoints import check_finite_weights
+    from refl_ddpo.run.checkpoints import check_finite_weights
 
     layer = torch.nn.Linear(2, 2)
     check_finite_weights(layer, "x")
@@ -224,7 +224,7 @@ def test_resume_refuses_a_checkpoint_with_nan(broken, tiny_models, tmp_path, cap
 
 
 def test_a_non_finite_imagereward_score_stops_inference():
-    from refl_ddpo.inference import RewardScorer
+    from refl_ddpo.apps.inference import RewardScorer
 
     def reward(images, prompts, metadata):  # ImageReward as the registry builds it, without loading it
         return torch.tensor([0.5, float("nan")][: len(images)]), {}
@@ -240,9 +240,9 @@ def test_a_non_finite_imagereward_score_stops_inference():
 
 
 def test_inference_refuses_a_lora_with_nan(tiny_sd, tmp_path, capsys):
-    from refl_ddpo.inference import main_lora
-    from refl_ddpo.lora import add_lora, save_lora
-    from refl_ddpo.models import load_pipeline
+    from refl_ddpo.apps.inference import main_lora
+    from refl_ddpo.core.lora import add_lora, save_lora
+    from refl_ddpo.core.models import load_pipeline
 
     unet = load_pipeline(str(tiny_sd)).unet
     params = add_lora(unet, 2, 2, ["to_q", "to_v"], init="random")
@@ -272,7 +272,7 @@ def test_inference_refuses_a_lora_with_nan(tiny_sd, tmp_path, capsys):
 
 
 def test_a_model_folder_missing_a_component_names_it(tmp_path):
-    from refl_ddpo.models import check_pretrained_model
+    from refl_ddpo.core.models import check_pretrained_model
 
     index = {
         "_class_name": "StableDiffusionPipeline",
@@ -299,7 +299,7 @@ def test_a_model_folder_missing_a_component_names_it(tmp_path):
 
 def test_a_missing_folder_under_an_existing_one_is_a_local_path_not_a_hub_id(tmp_path, monkeypatch):
     """checkpoint/stable-diffusion-v1-4 in the repo (checkpoint/ exists) fails at once, without asking the hub."""
-    from refl_ddpo.models import check_pretrained_model, looks_local
+    from refl_ddpo.core.models import check_pretrained_model, looks_local
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "checkpoint").mkdir()
@@ -320,7 +320,7 @@ def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(tmp_path, monkeyp
     import sys
     import time
 
-    from refl_ddpo.models import check_pretrained_model, hub_unreachable
+    from refl_ddpo.core.models import check_pretrained_model, hub_unreachable
 
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
@@ -366,7 +366,7 @@ def test_a_hub_id_with_the_hub_unreachable_is_one_line_at_once(tmp_path, monkeyp
     ],
 )
 def test_compare_refuses_broken_records_and_writes_no_nan(record, message, tmp_path, capsys):
-    from refl_ddpo.compare import main
+    from refl_ddpo.apps.compare import main
 
     for run in ("base", "lora"):
         (tmp_path / run).mkdir()

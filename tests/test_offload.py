@@ -10,7 +10,7 @@ import torch
 from helpers import run_script, trainer_flags
 from safetensors.torch import load_file
 
-from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
+from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 
 FAMILIES = ["stable-diffusion", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image"]
 
@@ -32,7 +32,7 @@ def test_the_text_encoders_load_on_the_host_and_visit_the_device_only_to_encode(
     """Loaded onto the stand-in device with the flag (and with the network held on the host as under --fsdp), the
     text encoders are on the CPU, every other part on the device; an encode (the prompts' and `empty_cond`'s)
     moves them to the device, encodes, and moves them back."""
-    from refl_ddpo.families import TEXT_ENCODER_NAMES, load_family
+    from refl_ddpo.core.families import TEXT_ENCODER_NAMES, load_family
 
     for network_on_host in (False, True):
         family = load_family(
@@ -73,7 +73,7 @@ def test_the_text_encoders_load_on_the_host_and_visit_the_device_only_to_encode(
 def test_the_conditioning_is_the_same_with_the_flag_and_the_encoders_end_on_the_host(tiny_models, model):
     """On the CPU: every family's encoding (prompts, negative, `empty_cond`) with the flag equals (torch.equal) the
     encoding without it, and the text encoders are on the CPU after loading and after each encode."""
-    from refl_ddpo.families import load_family
+    from refl_ddpo.core.families import load_family
 
     plain = load_family(str(tiny_models / model))
     offloaded = load_family(str(tiny_models / model), offload_text_encoders=True)

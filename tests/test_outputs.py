@@ -12,11 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo import compare, inference
-from refl_ddpo.compare_picture import header_lines
-from refl_ddpo.errors import UserError
-from refl_ddpo.flags import parse_config
-from refl_ddpo.images import wrap_words
+from refl_ddpo.apps import compare, inference
+from refl_ddpo.apps.compare_picture import header_lines
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.images import wrap_words
+from refl_ddpo.run.flags import parse_config
 
 DATA = Path(__file__).resolve().parent.parent / "refl_ddpo" / "data"
 
@@ -121,7 +121,7 @@ def test_compare_png_has_a_header_and_a_caption_per_pair(tmp_path):
 def _write_toy_run(folder: Path, rows: list[tuple[str, int]], drawn: list[str]) -> None:
     """An inference run folder of the toy world: per (prompt, seed) row an image rendered for `drawn` (the prompt's
     colour or another), scored by toy_color_match."""
-    from refl_ddpo import toy_world as tw
+    from refl_ddpo.toy_world import world as tw
 
     images = tw.render_prompts(drawn, torch.Generator().manual_seed(0))  # uint8 (B, 3, 32, 32)
     scored = [(p, s, {"toy_color_match": float(p == d)}) for (p, s), d in zip(rows, drawn, strict=True)]
@@ -134,10 +134,10 @@ def _write_toy_run(folder: Path, rows: list[tuple[str, int]], drawn: list[str]) 
 
 def test_compare_png_of_the_toy_world_states_the_judge_and_every_prompt(tmp_path):
     """demo.sh's comparison: 6 held-out prompts x 8 seeds, more pairs than --max_pairs 32. The header states the
-    judge's colour accuracy, grey, dirty and ragged before -> after (python -m refl_ddpo.toy_world's numbers),
+    judge's colour accuracy, grey, dirty and ragged before -> after (python -m refl_ddpo.toy_world.world's numbers),
     every prompt is shown, each caption carries the pair's judgement."""
-    from refl_ddpo import toy_world as tw
-    from refl_ddpo.compare_picture import caption_lines
+    from refl_ddpo.apps.compare_picture import caption_lines
+    from refl_ddpo.toy_world import world as tw
 
     prompts = list(tw.HELDOUT_PROMPTS)
     rows = [(p, s) for p in prompts for s in range(8)]
@@ -176,7 +176,7 @@ def test_compare_png_of_the_toy_world_states_the_judge_and_every_prompt(tmp_path
 
 def test_grids_wrap_into_rows(tmp_path):
     """A prompt's 16 images make two rows of 8 in grid.png, not one row of 16 (SD3's 4096 x 284 grid)."""
-    from refl_ddpo.images import grid_columns
+    from refl_ddpo.core.images import grid_columns
 
     assert [grid_columns(c) for c in (1, 4, 8, 9, 12, 16, 64)] == [1, 4, 8, 8, 6, 8, 8]
     records = [{"prompt": "a cyan circle", "seed": s, "toy_color_match": 1.0} for s in range(16)]
@@ -279,7 +279,7 @@ def test_bad_rewards_fail_before_loading(rewards, message, tmp_path, monkeypatch
 
 
 def test_progress_bar_in_a_log_writes_plain_lines(monkeypatch):
-    from refl_ddpo.progress import progress_bar, run_clock
+    from refl_ddpo.core.progress import progress_bar, run_clock
 
     monkeypatch.setenv("REFL_DDPO_PROGRESS_INTERVAL", "0")
     log = io.StringIO()  # not a terminal
@@ -309,7 +309,7 @@ def test_progress_bar_in_a_log_writes_plain_lines(monkeypatch):
 
 
 def test_default_cpu_threads_rule():
-    from refl_ddpo.threads import default_cpu_threads
+    from refl_ddpo.run.threads import default_cpu_threads
 
     assert default_cpu_threads(physical=2, cores=2, load=4.6) == 1  # the loaded 2-core machine of the issue
     assert default_cpu_threads(physical=16, cores=32, load=0.2) == 16  # idle: the physical cores
@@ -319,7 +319,7 @@ def test_default_cpu_threads_rule():
 
 
 def test_set_cpu_threads_env(monkeypatch):
-    from refl_ddpo.threads import THREADS_ENV, set_cpu_threads
+    from refl_ddpo.run.threads import THREADS_ENV, set_cpu_threads
 
     monkeypatch.setenv(THREADS_ENV, "2")
     assert set_cpu_threads() == 2 == torch.get_num_threads()
@@ -341,7 +341,7 @@ def test_shipped_prompt_lists_fit_clip():
     tokenizer_module = pytest.importorskip(
         "open_clip.tokenizer", reason="open_clip carries CLIP's BPE vocabulary"
     )
-    from refl_ddpo.prompts import load_prompts
+    from refl_ddpo.core.prompts import load_prompts
 
     tokenizer = tokenizer_module.SimpleTokenizer()
     files = sorted(DATA.glob("*.txt"))
@@ -355,7 +355,7 @@ def test_shipped_prompt_lists_fit_clip():
 def test_truncation_is_said_once_per_run(tiny_sd, capsys):
     import logging
 
-    from refl_ddpo.families import load_family
+    from refl_ddpo.core.families import load_family
 
     family = load_family(str(tiny_sd))
     long_prompt = "a very long prompt " * 8  # the tiny tokenizer has one token per character: > 77
@@ -370,7 +370,7 @@ def test_truncation_is_said_once_per_run(tiny_sd, capsys):
 
 
 def test_each_start_is_a_new_log_run(tmp_path):
-    from refl_ddpo.training import next_log_run, start_trackers
+    from refl_ddpo.run.training import next_log_run, start_trackers
 
     calls = []
 

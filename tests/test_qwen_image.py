@@ -17,9 +17,9 @@ from helpers import (
     trainer_flags,
 )
 
-from refl_ddpo.families import cond_cat, family_class, load_family
-from refl_ddpo.families.qwen_image import QwenImage
-from refl_ddpo.sampling import denoise
+from refl_ddpo.core.families import cond_cat, family_class, load_family
+from refl_ddpo.core.families.qwen_image import QwenImage
+from refl_ddpo.core.sampling import denoise
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -45,7 +45,7 @@ def _generators():
 
 
 def test_load_family_picks_qwen_image_from_model_index(tiny_models):
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
 
     family = load_family(str(tiny_models / MODEL))
     assert isinstance(family, QwenImage) and family_class("QwenImagePipeline") is QwenImage
@@ -172,7 +172,7 @@ def test_conditionings_of_unequal_lengths_concatenate_padded_and_predict_the_sam
 def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
     """ReFL's path (no grad to step k, one step with true CFG and grad, predicted x0, VAE decode) on Qwen-Image's
     default targets, both streams' MLPs included."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     family = load_family(str(tiny_models / MODEL))
     network = family.network
@@ -201,7 +201,7 @@ def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
 def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
     """DDPO's sample buffers carry Qwen-Image's text and mask and its (B, 16, h, w) latents; the first PPO step
     recomputes the flow SDE step's log-probs with true CFG 4: approx KL 0, nothing clipped."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     torch.manual_seed(0)
     family = load_family(str(tiny_models / MODEL))
@@ -263,9 +263,9 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 ):
     """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's
     images; the run, the validation files and the model card name the family."""
-    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.run.model_card import CARD_NAME
+    from refl_ddpo.run.validation import validation_files
     from refl_ddpo.trainers import refl
-    from refl_ddpo.validation import validation_files
 
     prompts = tmp_path / "validation.txt"
     prompts.write_text("a photo of a cat\n")
@@ -332,7 +332,7 @@ def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_wi
     """The preset as data (flow_grpo's pickscore_qwenimage): its numbers, and a run of it on the tiny Qwen-Image
     (smaller batches, one epoch, CPU precision) that trains a 2-step SDE window starting in steps 0-4 into a LoRA the
     stock pipeline loads."""
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.run.flags import parse_config
     from refl_ddpo.trainers import grpo
     from refl_ddpo.trainers.grpo_config import GRPOConfig
 

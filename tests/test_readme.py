@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.flags import build_parser
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.run.flags import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -27,8 +27,8 @@ _spec.loader.exec_module(gen_flags)
 
 # commands with a plain argparse parser (no config dataclass): where they are run from -> "module:parser factory"
 PLAIN_PARSERS = {
-    "inference/compare.py": "refl_ddpo.compare:build_parser",
-    "refl_ddpo.compare": "refl_ddpo.compare:build_parser",
+    "inference/compare.py": "refl_ddpo.apps.compare:build_parser",
+    "refl_ddpo.apps.compare": "refl_ddpo.apps.compare:build_parser",
 }
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 

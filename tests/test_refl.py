@@ -14,15 +14,15 @@ from diffusers import DDPMScheduler, StableDiffusionPipeline
 from helpers import script_env, trainer_flags
 from safetensors.torch import load_file
 
-from refl_ddpo.backprop import kl_to_base, refl_step
-from refl_ddpo.families import load_family, resolve_guidance
-from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.flags import parse_config
-from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
-from refl_ddpo.prompts import DATA_DIR, PromptDraw, load_prompts
+from refl_ddpo.core.families import load_family, resolve_guidance
+from refl_ddpo.core.families.sd import StableDiffusion
+from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
+from refl_ddpo.core.prompts import DATA_DIR, PromptDraw, load_prompts
+from refl_ddpo.core.sampling import denoise
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.sampling import denoise
+from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers import refl
+from refl_ddpo.trainers.backprop import kl_to_base, refl_step
 from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward
 
 REPO = Path(__file__).resolve().parent.parent
@@ -335,7 +335,7 @@ def test_two_processes_hold_identical_lora_after_every_step(tiny_models, tmp_pat
     r = _script(flags, NUM_PROCESSES="2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("validation after step") == 3  # steps 0, 2, 3
-    # a run without --deepspeed_zero does not import DeepSpeed (refl_ddpo.zero.unwrap), whose import logs this
+    # a run without --deepspeed_zero does not import DeepSpeed (refl_ddpo.run.zero.unwrap), whose import logs this
     assert "Setting accelerator to CPU" not in r.stdout + r.stderr
     ranks = [
         [

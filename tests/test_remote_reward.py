@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import build_reward, is_differentiable, parse_reward_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -237,8 +237,8 @@ def test_async_scoring_equals_sync(served, tiny_models, where):
 
     from diffusers import DDIMScheduler
 
-    from refl_ddpo.families import load_family
-    from refl_ddpo.rollouts import collect_rewards, sample_epoch
+    from refl_ddpo.core.families import load_family
+    from refl_ddpo.trainers.rollouts import collect_rewards, sample_epoch
 
     spec, url = served
     reward = build_reward(
@@ -283,7 +283,7 @@ def test_inference_scores_with_a_remote_reward(served, tiny_models, tmp_path):
     from PIL import Image
     from test_outputs import _cfg
 
-    from refl_ddpo import inference
+    from refl_ddpo.apps import inference
 
     spec, url = served
     prompts = tmp_path / "prompts.txt"
@@ -328,7 +328,7 @@ def test_inference_imagereward_is_the_registry_and_remote_reward_on_the_saved_im
     from PIL import Image
     from test_outputs import _cfg
 
-    from refl_ddpo import inference
+    from refl_ddpo.apps import inference
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\na red apple on a wooden table\n")

@@ -1,4 +1,4 @@
-"""Output folders, resume inputs and process lifetime (refl_ddpo.runs, refl_ddpo.launch): every bad folder, checkpoint
+"""Output folders, resume inputs and process lifetime (refl_ddpo.run.runs, refl_ddpo.run.launch): every bad folder, checkpoint
 or LoRA is one line naming what to fix, exit != 0, before any model is loaded and with no weight file written or
 changed; checkpoint rotation keeps other runs' checkpoints; the processes of launch.sh die with their launcher, a
 process' user error is one line and a finished process of several skips the interpreter's teardown. One tiny finished
@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from helpers import script_env, trainer_flags
 
-from refl_ddpo import runs
-from refl_ddpo.flags import parse_config
-from refl_ddpo.inference import run_inference
-from refl_ddpo.launch import PREFLIGHT_ENV
-from refl_ddpo.lora import LORA_WEIGHTS_NAME
-from refl_ddpo.prompts import DATA_DIR
+from refl_ddpo.apps.inference import run_inference
+from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
+from refl_ddpo.core.prompts import DATA_DIR
+from refl_ddpo.run import runs
+from refl_ddpo.run.flags import parse_config
+from refl_ddpo.run.launch import PREFLIGHT_ENV
 from refl_ddpo.trainers import ddpo, refl
 from refl_ddpo.trainers.refl import ReFLConfig
 
@@ -283,7 +283,7 @@ def test_a_preflight_imports_no_model_library(model, tiny_models, tmp_path):
     torch._dynamo, was 2.6 s of a preflight's 4.6 s of CPU), and leave the launcher's argv and environment as they
     were."""
     code = (
-        "import os, sys\nfrom refl_ddpo.launch import preflight, PREFLIGHT_ENV\nargv = list(sys.argv)\n"
+        "import os, sys\nfrom refl_ddpo.run.launch import preflight, PREFLIGHT_ENV\nargv = list(sys.argv)\n"
         "preflight('refl_ddpo.trainers.refl', sys.argv[1:], 2)\n"
         "assert sys.argv == argv and PREFLIGHT_ENV not in os.environ and 'WORLD_SIZE' not in os.environ\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'diffusers', 'transformers', 'peft', 'timm', 'torch'}))"
@@ -351,12 +351,12 @@ def _inference(script: str, args: list[str], capsys) -> str:
 
 
 def test_bad_lora_dir_or_inference_folder_is_one_line(run_dir, tiny_models, tmp_path, capsys, monkeypatch):
-    import refl_ddpo.models
+    import refl_ddpo.core.models
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the input was checked")
 
-    monkeypatch.setattr(refl_ddpo.models, "load_pipeline", refuse)
+    monkeypatch.setattr(refl_ddpo.core.models, "load_pipeline", refuse)
     common = ["--device", "cpu", "--num_images_per_prompt", "1"]
     before = _weights(run_dir)
     line = _inference(
@@ -392,7 +392,7 @@ def test_bad_lora_dir_or_inference_folder_is_one_line(run_dir, tiny_models, tmp_
 
 
 def test_inference_replaces_an_earlier_runs_images(tiny_models, tmp_path):
-    from refl_ddpo.inference_config import InferenceConfig
+    from refl_ddpo.apps.inference_config import InferenceConfig
 
     out = tmp_path / "out"
     for prompts in (["a cat", "a dog"], ["a cat"]):
@@ -413,7 +413,7 @@ def test_inference_replaces_an_earlier_runs_images(tiny_models, tmp_path):
 
 END_WORKER = """
 import atexit
-from refl_ddpo.launch import end_worker
+from refl_ddpo.run.launch import end_worker
 
 class Teardown:
     def __del__(self):
@@ -448,8 +448,8 @@ def test_a_finished_process_of_several_skips_only_the_interpreters_teardown(worl
 FAKE_TRAINER = """
 import os, sys, time
 from pathlib import Path
-from refl_ddpo.errors import UserError, cli_main
-from refl_ddpo.training import run_or_preflight
+from refl_ddpo.core.errors import UserError, cli_main
+from refl_ddpo.run.training import run_or_preflight
 
 def train(mode):
     Path(os.environ["OUT"], f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))

@@ -9,10 +9,10 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from helpers import assert_lora_changes_stock_images, ddpo_first_update
 
-from refl_ddpo.families import family_class, load_family
-from refl_ddpo.families.sd3 import StableDiffusion3
-from refl_ddpo.lora import add_lora, load_lora_into_unet, save_lora
-from refl_ddpo.sampling import denoise
+from refl_ddpo.core.families import family_class, load_family
+from refl_ddpo.core.families.sd3 import StableDiffusion3
+from refl_ddpo.core.lora import add_lora, load_lora_into_unet, save_lora
+from refl_ddpo.core.sampling import denoise
 
 PROMPTS = ["a photo of a cat", "a red bird"]
 RES = 32
@@ -244,9 +244,10 @@ def test_refl_trains_a_lora_on_sd3_that_loads_in_stock_pipeline(tiny_models, tin
 
 
 def test_inference_uses_the_flow_matching_scheduler_by_default(tiny_sd3, stock, tmp_path):
-    from refl_ddpo import generate, inference
-    from refl_ddpo.errors import UserError
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.apps import inference
+    from refl_ddpo.core import generate
+    from refl_ddpo.core.errors import UserError
+    from refl_ddpo.run.flags import parse_config
 
     flags = ["--pretrained_model", str(tiny_sd3), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]

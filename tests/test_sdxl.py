@@ -16,9 +16,9 @@ from helpers import (
     trainer_flags,
 )
 
-from refl_ddpo.families import family_class, load_family
-from refl_ddpo.families.sdxl import StableDiffusionXL
-from refl_ddpo.sampling import denoise
+from refl_ddpo.core.families import family_class, load_family
+from refl_ddpo.core.families.sdxl import StableDiffusionXL
+from refl_ddpo.core.sampling import denoise
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -61,7 +61,7 @@ def test_load_family_picks_sdxl_from_model_index(tiny_sdxl):
 
 
 def test_a_guidance_distilled_unet_is_refused_in_one_line(tiny_sdxl):
-    from refl_ddpo.errors import UserError
+    from refl_ddpo.core.errors import UserError
 
     pipe = _stock(tiny_sdxl)
     pipe.unet.register_to_config(time_cond_proj_dim=8)  # as LCM-distilled SDXL UNets have
@@ -158,8 +158,9 @@ def test_decode_denormalises_with_latents_mean_and_std_as_the_pipeline(tiny_sdxl
 
 
 def test_inference_defaults_to_ddim_and_draws_the_stock_images(tiny_sdxl, stock, tmp_path):
-    from refl_ddpo import generate, inference
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.apps import inference
+    from refl_ddpo.core import generate
+    from refl_ddpo.run.flags import parse_config
 
     flags = ["--pretrained_model", str(tiny_sdxl), "--prompts_file", str(tmp_path / "unused.txt")]
     flags += ["--output_dir", str(tmp_path / "out"), "--device", "cpu"]
@@ -177,7 +178,7 @@ def test_inference_defaults_to_ddim_and_draws_the_stock_images(tiny_sdxl, stock,
 
 def test_reward_gradient_reaches_every_lora_tensor_and_no_base_weight(tiny_sdxl):
     """ReFL's path (no grad to step k, one step with grad, predicted x0, VAE decode) on SDXL's default targets."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     family = load_family(str(tiny_sdxl))
     network = family.network
@@ -199,7 +200,7 @@ def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_sdxl):
     """DDPO's sample buffers carry SDXL's conditioning (prompt_embeds (N, 77, 64), pooled (N, 32)) through stacking,
     shuffling and slicing; the first PPO step recomputes the sampler's log-probs (CFG against empty_cond's zeros):
     approx KL 0, nothing clipped."""
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.lora import add_lora
 
     torch.manual_seed(0)
     family = load_family(str(tiny_sdxl))
@@ -248,9 +249,9 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 ):
     """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's images;
     the run, the validation files and the model card name the family."""
-    from refl_ddpo.model_card import CARD_NAME
+    from refl_ddpo.run.model_card import CARD_NAME
+    from refl_ddpo.run.validation import validation_files
     from refl_ddpo.trainers import refl
-    from refl_ddpo.validation import validation_files
 
     out = tmp_path / "refl"
     argv = trainer_flags(

@@ -122,7 +122,7 @@ def test_bad_flags_fail_with_one_line(argv, words, tmp_path):
 
 
 def test_every_configuration_uses_a_shipped_script_and_a_task():
-    from refl_ddpo import toy_world
+    from refl_ddpo.toy_world import world as toy_world
 
     for config in CONFIGS.values():
         assert (REPO / "train_scripts" / config.script).is_file()

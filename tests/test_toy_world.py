@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from refl_ddpo import toy_files
-from refl_ddpo import toy_world as tw
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.toy_world import files as toy_files
+from refl_ddpo.toy_world import world as tw
 
 SD = tw.DATA_DIR / tw.SD_DIRNAME
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.flags import parse_config
-from refl_ddpo.prompts import check_prompt_source, get_prompt_fn
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import check_prompt_source, get_prompt_fn
 from refl_ddpo.rewards import build_reward, is_differentiable, parse_reward_spec
+from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers.ddpo_config import parse_ddpo_config
 from refl_ddpo.trainers.refl_config import ReFLConfig
 

@@ -15,17 +15,17 @@ import torch
 from helpers import trainer_flags
 from hub_standin import HubStandIn
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.families import resolve_guidance
-from refl_ddpo.families.sd import StableDiffusion
-from refl_ddpo.families.sd3 import StableDiffusion3
-from refl_ddpo.flags import parse_config
-from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import resolve_guidance
+from refl_ddpo.core.families.sd import StableDiffusion
+from refl_ddpo.core.families.sd3 import StableDiffusion3
+from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
+from refl_ddpo.run.flags import parse_config
+from refl_ddpo.run.validation import VALIDATION_DIR, ValidationSpec, Validator, validation_files
 from refl_ddpo.trainers.ddpo_config import DDPOConfig
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.refl_config import ReFLConfig
 from refl_ddpo.trainers.skeleton import validation_spec
-from refl_ddpo.validation import VALIDATION_DIR, ValidationSpec, Validator, validation_files
 
 REPO = Path(__file__).resolve().parent.parent
 RES = 32
@@ -71,8 +71,8 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
 ):
     from diffusers import DDIMScheduler
 
-    from refl_ddpo.families import load_family
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.families import load_family
+    from refl_ddpo.core.lora import add_lora
     from refl_ddpo.rewards import build_reward
 
     family = load_family(str(tiny_sd))
@@ -144,8 +144,8 @@ def test_validator_draws_the_stock_pipelines_images_for_fixed_seeds_and_leaves_r
 
 
 def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path, prompts_file):
-    from refl_ddpo.families import load_family
-    from refl_ddpo.lora import add_lora
+    from refl_ddpo.core.families import load_family
+    from refl_ddpo.core.lora import add_lora
     from refl_ddpo.rewards import build_reward
 
     family = load_family(str(tiny_models / "tiny-sd3"))
@@ -228,7 +228,7 @@ def test_bad_validation_file_and_push_offline_fail_before_loading(tmp_path, monk
 
 
 def test_hub_ids_and_local_paths():
-    from refl_ddpo.hub import is_hub_id
+    from refl_ddpo.run.hub import is_hub_id
 
     assert is_hub_id("user/my-lora") and is_hub_id("org/name.v2")
     assert not is_hub_id("checkpoint/refl_lora"), (
@@ -269,7 +269,7 @@ def _fake_validation(out: Path) -> None:
 
 def _sd_refl_card(out: Path, cfg, progress: dict, repo_id: str | None = None):
     """The model card of a ReFL LoRA on SD 1.x's UNet trained with `cfg` (its validation spec)."""
-    from refl_ddpo.model_card import model_card
+    from refl_ddpo.run.model_card import model_card
 
     cfg = resolve_guidance(cfg, StableDiffusion)  # as the trainer resolves the unset guidance flags on SD
     spec = validation_spec(cfg)
@@ -281,7 +281,7 @@ def _sd_refl_card(out: Path, cfg, progress: dict, repo_id: str | None = None):
 def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tmp_path):
     from huggingface_hub import ModelCard
 
-    from refl_ddpo.model_card import CARD_NAME, model_card
+    from refl_ddpo.run.model_card import CARD_NAME, model_card
 
     _fake_validation(tmp_path)
     cfg = parse_config(
@@ -330,8 +330,8 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
 
 
 def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_path):
-    from refl_ddpo.model_card import CARD_NAME
-    from refl_ddpo.runs import clear_run
+    from refl_ddpo.run.model_card import CARD_NAME
+    from refl_ddpo.run.runs import clear_run
 
     cfg = parse_config(ReFLConfig, ["--preset", "toy_world", "--output_dir", str(tmp_path)])
     _fake_validation(tmp_path)

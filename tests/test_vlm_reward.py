@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.rewards import build_reward, is_differentiable
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,15 +24,15 @@ if [[ -f checkpoint/stable-diffusion-v1-4/model_index.json && -f checkpoint/Imag
   exit 0
 fi
 
-echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/data/toy_world, committed): a tiny Stable Diffusion"
+echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/toy_world/world/data, committed): a tiny Stable Diffusion"
 echo "   that draws one coloured shape on grey for 'a {colour} {shape}', right about 40 % of the time."
 # One CPU numeric path (AVX2 for ATen, oneDNN and MKL), as the learning tests: the same seed then computes the same bits,
 # and so the same numbers, on every x86-64 CPU (docs/learning_spread.md). Setting any of the three chooses another.
 if [[ "$(uname -m)" == x86_64 && -z "${ATEN_CPU_CAPABILITY:-}${ONEDNN_MAX_CPU_ISA:-}${MKL_CBWR:-}" ]]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
 fi
-TOY=refl_ddpo/data/toy_world
-HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
+TOY=refl_ddpo/toy_world/world/data
+HELD_OUT=refl_ddpo/toy_world/world/data_heldout.txt   # combinations never trained on
 
 echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
 bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora" --overwrite_output_dir
@@ -53,7 +53,7 @@ GEN_SD3=(--prompts_file "$OUT/cyan_held_out.txt" --num_images_per_prompt 16 --re
 "$PYTHON" inference/inference_lora.py "${GEN_SD3[@]}" --lora_dir "$OUT/ddpo_lora" --output_dir "$OUT/ddpo"
 "$PYTHON" inference/compare.py "$OUT/base" "$OUT/refl" --out "$OUT/compare_refl"
 "$PYTHON" inference/compare.py "$OUT/base_sd3" "$OUT/ddpo" --out "$OUT/compare_ddpo"
-"$PYTHON" -m refl_ddpo.toy_world "$OUT/base" "$OUT/refl" "$OUT/base_sd3" "$OUT/ddpo"
+"$PYTHON" -m refl_ddpo.toy_world.world "$OUT/base" "$OUT/refl" "$OUT/base_sd3" "$OUT/ddpo"
 
 echo "== done. Look at $OUT/compare_refl/compare.png and $OUT/compare_ddpo/compare.png (before | after, headed by"
 echo "   the judge's colour accuracy, grey and dirty fractions before -> after, every prompt shown), and"

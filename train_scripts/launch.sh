@@ -14,7 +14,7 @@
 #
 # Usage (from the train_*.sh scripts): source this file, then `launch MODULE [script defaults...] -- "$@"`.
 # The script's defaults travel in REFL_DDPO_DEFAULTS and are a layer *below* --config and the user's flags (see
-# refl_ddpo/config.py), so a config file is never overridden by a script default.
+# refl_ddpo/run/config.py), so a config file is never overridden by a script default.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -82,7 +82,7 @@ launch() {
     exec "$PYTHON" -m "$module" "$@"
   fi
   local port="${MAIN_PROCESS_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-  # refl_ddpo.launch is accelerate launch that first runs the trainer's checks of flags and files once (on machine 0:
+  # refl_ddpo.run.launch is accelerate launch that first runs the trainer's checks of flags and files once (on machine 0:
   # a mistake is one line before any process starts), whose processes die with it (no orphans after a kill -9), and
   # which prints a process' user error, or a failed rendezvous, as its one line, not under ChildFailedError's report.
   # --quiet: a failing script exits with its own one-line error, not under accelerate's CalledProcessError traceback
@@ -92,5 +92,5 @@ launch() {
   (( machines > 1 )) && args+=(--main_process_ip "$MAIN_PROCESS_IP")
   echo "launching $module: $nproc process(es) on $machines machine(s), this is machine $machine_rank with" \
        "$((nproc / machines)), GPUs: ${CUDA_VISIBLE_DEVICES:-none set}, rendezvous ${MAIN_PROCESS_IP:-127.0.0.1}:$port" >&2
-  exec "$PYTHON" -m refl_ddpo.launch "${args[@]}" -m "$module" "$@"
+  exec "$PYTHON" -m refl_ddpo.run.launch "${args[@]}" -m "$module" "$@"
 }

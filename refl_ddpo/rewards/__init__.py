@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from refl_ddpo.errors import UserError
-from refl_ddpo.user_code import import_ref, split_ref
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.user_code import import_ref, split_ref
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +236,7 @@ def build_reward(
     False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`."""
     import torch
 
-    from refl_ddpo.progress import quiet_library_bars
+    from refl_ddpo.core.progress import quiet_library_bars
 
     quiet_library_bars()
     parts = parse_reward_spec(spec)

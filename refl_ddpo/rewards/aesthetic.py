@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import RewardFn
 
 SUBDIR = "aesthetic"

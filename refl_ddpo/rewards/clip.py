@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 # kind -> (sub-folder of --reward_model_dir, model hub id, processor hub id)
 SOURCES: dict[str, tuple[str, str, str]] = {

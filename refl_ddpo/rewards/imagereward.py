@@ -30,7 +30,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 from transformers import BertTokenizer
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import RewardFn
 from refl_ddpo.rewards.imagereward_model import (
     CLIP_MEAN,

@@ -13,7 +13,7 @@ from torchvision import transforms
 from torchvision.transforms import InterpolationMode
 from transformers import BertTokenizer, BlipTextConfig, BlipTextModel
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 # ImageReward.py: the normalisation of the MLP output, the prompt length and the image size.
 REWARD_MEAN = 0.16717362830052426

@@ -30,7 +30,7 @@ import urllib.request
 import numpy as np
 import torch
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU can take a while)
 RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers

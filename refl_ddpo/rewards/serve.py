@@ -18,7 +18,7 @@ import threading
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from refl_ddpo.errors import UserError, cli_main
+from refl_ddpo.core.errors import UserError, cli_main
 
 MAX_BODY_BYTES = 1 << 30  # 1 GiB: a batch of 64 float32 images at 1024 px is 800 MB
 

@@ -1,4 +1,4 @@
-"""Rewards of the toy world (refl_ddpo.toy_world): coloured shapes on grey, prompts `a {colour} {shape}`.
+"""Rewards of the toy world (refl_ddpo.toy_world.world): coloured shapes on grey, prompts `a {colour} {shape}`.
 
     toy_color_match   1.0 where the judge finds the shape's mean colour nearest to the prompt's colour, else 0.0;
                       programmatic, not differentiable; info carries the judge's `dirty` fraction per image
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from refl_ddpo import toy_world
+from refl_ddpo.toy_world import world as toy_world
 
 
 def toy_color_match(device: torch.device, dtype: torch.dtype, model_dir: str, **options):

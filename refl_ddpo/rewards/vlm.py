@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
 
 JUDGE_QUESTION = "Does this image show {prompt}? Answer yes or no."
 DESCRIBE_QUESTION = "Describe this image in one sentence."

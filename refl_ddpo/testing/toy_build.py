@@ -1,7 +1,7 @@
 """Build the toy world's models from scratch, deterministically from seeds (one CPU thread,
 `torch.use_deterministic_algorithms(True)`): same seeds and same CPU kind give the same weights; other CPUs may
 differ in the last bits, which is why the built weights are committed (toy_world.DATA_DIR, see
-refl_ddpo.toy_world). Slow: about 25-30 minutes on one core (VAE 6, UNet 7-8, classifier 5-9, MMDiT 6-7). The models
+refl_ddpo.toy_world.world). Slow: about 25-30 minutes on one core (VAE 6, UNet 7-8, classifier 5-9, MMDiT 6-7). The models
 and their training loops are in refl_ddpo.testing.toy_train; this module builds and judges them.
 
     python -m refl_ddpo.testing.toy_build OUT [--report]
@@ -21,7 +21,7 @@ Models:
                 prediction on SD's schedule, trained UNET_STEPS steps on all 18 prompts with 15 % empty prompts
                 (classifier-free guidance); colour words confused in pairs half of the time (CONFUSABLE), so the
                 clean, trained model's colour accuracy is about 50 %.
-    classifier  ToyClassifier (refl_ddpo.toy_world), trained on rendered images with noise, blur, colour jitter and
+    classifier  ToyClassifier (refl_ddpo.toy_world.world), trained on rendered images with noise, blur, colour jitter and
                 VAE round trips.
   toy-sd3/ (StableDiffusion3Pipeline, the same world):
     VAE         the toy SD 1.x VAE's weights, with shift_factor 0 (SD3's pipeline decodes z / scaling + shift; it
@@ -42,8 +42,6 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo import toy_files
-from refl_ddpo import toy_world as tw
 from refl_ddpo.testing.toy_train import (
     CLASSIFIER_CHANNELS,
     CONFUSE_P,
@@ -65,6 +63,8 @@ from refl_ddpo.testing.toy_train import (
     train_vae,
     vae_round_trip,
 )
+from refl_ddpo.toy_world import files as toy_files
+from refl_ddpo.toy_world import world as tw
 
 
 def _log(msg: str) -> None:
@@ -79,7 +79,7 @@ def generate(
     prompt), with one CPU generator per image seeded `seed`; and the matching prompts."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from refl_ddpo.models import load_pipeline
+    from refl_ddpo.core.models import load_pipeline
 
     pipe = load_pipeline(
         str(sd_dir)

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from refl_ddpo import toy_world as tw
 from refl_ddpo.testing.tiny_parts import SD_SCHEDULER_CONFIG, clip_tokenizer, tiny_clip_config
+from refl_ddpo.toy_world import world as tw
 
 SEED = 0
 VAE_STEPS, VAE_BATCH, VAE_LR = 800, 32, 2e-3

@@ -25,11 +25,11 @@ import torch
 
 from refl_ddpo.algorithms.forward import matching_log_likelihood, output_mse
 from refl_ddpo.algorithms.policy import ppo_clip_loss
-from refl_ddpo.errors import cli_main
+from refl_ddpo.core.errors import cli_main
+from refl_ddpo.run.zero import unwrap
 from refl_ddpo.trainers.forward_config import AWMConfig
 from refl_ddpo.trainers.nft import Draw, ForwardProcess
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
-from refl_ddpo.zero import unwrap
 
 
 class AWM(ForwardProcess):

@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages
-from refl_ddpo.errors import UserError, cli_main
-from refl_ddpo.ppo import train_on_samples
-from refl_ddpo.rollouts import collect_rewards, sample_epoch, stack_samples
+from refl_ddpo.core.errors import UserError, cli_main
+from refl_ddpo.run.training import seeded_generator, stream_seed
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
 from refl_ddpo.trainers.epochs import EpochAlgorithm, EpochPlan, ImageSamplesHook, ScoredEpoch
+from refl_ddpo.trainers.ppo import train_on_samples
+from refl_ddpo.trainers.rollouts import collect_rewards, sample_epoch, stack_samples
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
-from refl_ddpo.training import seeded_generator, stream_seed
 
 # the training bar's metrics (train_on_samples' info)
 POSTFIX_KEYS = ("loss", "ratio", "approx_kl", "clipfrac", "kl")
@@ -104,7 +104,7 @@ class DDPO(EpochAlgorithm):
 
     def plan_epoch(self, run: Run, epoch: int) -> EpochPlan:
         """This process' prompts for the epoch, from a stream seeded by (seed, epoch, process): resumable."""
-        from refl_ddpo.prompts import get_prompt_fn
+        from refl_ddpo.core.prompts import get_prompt_fn
 
         cfg = self.cfg
         source = cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn
@@ -147,7 +147,7 @@ class DDPO(EpochAlgorithm):
 
     def train(self, run: Run, epoch: int, plan: EpochPlan, scored: ScoredEpoch) -> None:
         """`train_num_inner_epochs` passes of PPO over the epoch's samples, one bar tick per optimizer step."""
-        from refl_ddpo.training import nonfinite_step_error
+        from refl_ddpo.run.training import nonfinite_step_error
 
         cfg = self.cfg
         samples = stack_samples(scored.batches, scored.advantages)

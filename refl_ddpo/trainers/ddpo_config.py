@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from refl_ddpo.config import CommonConfig, field_, guidance_field
-from refl_ddpo.errors import UserError
-from refl_ddpo.prompts import check_prompt_source, load_prompts
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import check_prompt_source, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.run.config import CommonConfig, field_, guidance_field
 from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
 
 
@@ -358,6 +358,6 @@ def epoch_sizes(cfg: DDPOConfig, num_processes: int) -> dict[str, int]:
 
 def parse_ddpo_config(argv: list[str] | None = None) -> DDPOConfig:
     """Flags (and --config FILE, --preset NAME, a script's defaults) -> a checked DDPOConfig."""
-    from refl_ddpo.flags import parse_config
+    from refl_ddpo.run.flags import parse_config
 
     return parse_config(DDPOConfig, argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refl_ddpo.prompts import DATA_DIR
+from refl_ddpo.core.prompts import DATA_DIR
 
 TOY_WORLD_DIR = DATA_DIR / "toy_world"
 
@@ -34,7 +34,7 @@ _COMPRESSIBILITY = {
     "per_prompt_stat_tracking_min_count": 16,
 }
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world): its committed model, the programmatic colour reward, and the colour word
+    # The toy world (refl_ddpo.toy_world.world): its committed model, the programmatic colour reward, and the colour word
     # green alone (toy_world_green: "a green circle", "a green square"; "a green triangle" is held out). It learns in
     # 3 CPU minutes (docs/toy_world.md: MEASURED); it also draws the partner word's prompts green. On all 12
     # training prompts a policy gradient needs ~10^4 images here: partner colours' gradients cancel but for their

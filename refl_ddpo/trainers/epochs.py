@@ -24,7 +24,7 @@ ImageSamplesHook = Callable[[list[list[Any]], int, Any], None]
 
 def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHook:
     """Log the newest batch as a captioned grid ('prompt | reward') to the trackers each epoch."""
-    from refl_ddpo.training import log_image_grid
+    from refl_ddpo.run.training import log_image_grid
 
     def hook(prompt_image_data: list[list[Any]], global_step: int, tracker: Any) -> None:
         images, prompts, _, rewards, _ = prompt_image_data[-1]
@@ -37,7 +37,7 @@ def default_image_hook(accelerator, tag: str = "ddpo/samples") -> ImageSamplesHo
 def check_rewards(cfg: EpochConfig, rewards: torch.Tensor, epoch: int) -> torch.Tensor:
     """Which of an epoch's gathered rewards (N,) are finite. A NaN or inf reward stops the run (the same on every
     process: the rewards are gathered), unless --nonfinite_rewards drop, which keeps the others; all dropped stops."""
-    from refl_ddpo.training import nonfinite_step_error
+    from refl_ddpo.run.training import nonfinite_step_error
 
     finite = torch.isfinite(rewards)
     bad = len(rewards) - int(finite.sum())
@@ -199,7 +199,7 @@ class EpochAlgorithm(Algorithm):
         """The epoch's reward stats to the trackers and the log line; its images to the hook (main process)."""
         import time
 
-        from refl_ddpo.progress import run_clock
+        from refl_ddpo.core.progress import run_clock
 
         cfg, accelerator = self.cfg, run.accelerator
         accelerator.log({**scored.stats, f"{self.name}/epoch": epoch}, step=self.global_step)
@@ -223,7 +223,7 @@ class EpochAlgorithm(Algorithm):
 
     def phase_bar(self, run: Run, epoch: int, phase: str, total: int, unit: str):
         """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
-        from refl_ddpo.progress import progress_bar
+        from refl_ddpo.core.progress import progress_bar
 
         return progress_bar(
             total,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from refl_ddpo.config import field_, guidance_field
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.run.config import field_, guidance_field
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.groups import GroupConfig
 
@@ -155,7 +155,7 @@ _SD35M = {  # both papers' SD3.5-M setting; their rewards (GenEval, OCR) are not
     "validation_guidance_scale": 1.0,
 }
 
-# The toy world (refl_ddpo.toy_world): one colour word, as GRPO's and DDPO's toy presets (toy-sd: green, "a green
+# The toy world (refl_ddpo.toy_world.world): one colour word, as GRPO's and DDPO's toy presets (toy-sd: green, "a green
 # triangle" held out; toy-sd3: cyan, "a cyan circle"), LoRA on the text attention's keys and values. Measured with
 # NFT on toy-sd3 (1 thread; held-out accuracy from 0.234; docs/trainers/nft_awm.md): this recipe 0.922 / 0.875 / 0.922 in 8
 # epochs (seeds 0 / 1 / 42, 71-73 CPU s), the shapes kept. With the colour reward alone (no toy_clean) 0.719 / 0.844

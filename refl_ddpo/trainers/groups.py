@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from refl_ddpo.config import field_
-from refl_ddpo.errors import UserError
-from refl_ddpo.families import ModelFamily
-from refl_ddpo.rollouts import epoch_groups
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import ModelFamily
+from refl_ddpo.run.config import field_
+from refl_ddpo.run.training import seeded_generator, stream_seed
 from refl_ddpo.trainers.ddpo_config import EpochConfig
-from refl_ddpo.training import seeded_generator, stream_seed
+from refl_ddpo.trainers.rollouts import epoch_groups
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def grouped_prompts(
     """The groups of an epoch, the same plan on every process: this process' prompt_fn (its slice of the groups),
     the group id of each of its samples (N,), and their initial noise (one x_T per group with
     --same_noise_per_group, else None)."""
-    from refl_ddpo.prompts import get_prompt_fn
+    from refl_ddpo.core.prompts import get_prompt_fn
 
     per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
     num_groups = per_process * num_processes // cfg.group_size

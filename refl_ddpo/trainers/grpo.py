@@ -28,15 +28,15 @@ from __future__ import annotations
 import torch
 
 from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
-from refl_ddpo.errors import cli_main
-from refl_ddpo.families import ModelFamily
-from refl_ddpo.rollouts import draw_window_start
+from refl_ddpo.core.errors import cli_main
+from refl_ddpo.core.families import ModelFamily
+from refl_ddpo.run.training import seeded_generator
 from refl_ddpo.trainers.ddpo import DDPO
 from refl_ddpo.trainers.epochs import EpochPlan
 from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
 from refl_ddpo.trainers.grpo_config import GRPOConfig
+from refl_ddpo.trainers.rollouts import draw_window_start
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
-from refl_ddpo.training import seeded_generator
 
 __all__ = ["GRPO", "GRPOConfig", "grouped_epoch", "main", "preflight", "train"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from refl_ddpo.config import field_
-from refl_ddpo.errors import UserError
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.run.config import field_
 from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, DDPOConfig
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, group_sizes
@@ -84,7 +84,7 @@ class GRPOConfig(GroupConfig, DDPOConfig):
 
 
 GRPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world), as DDPO's preset but in 8 groups of 8 with one x_T per group: the colour
+    # The toy world (refl_ddpo.toy_world.world), as DDPO's preset but in 8 groups of 8 with one x_T per group: the colour
     # word green alone (toy_world_green), learned in 3 CPU minutes; "a green triangle" is held out (docs/toy_world.md:
     # MEASURED). On all 12 training prompts it does not learn in minutes (partner colours cancel). The colour
     # reward alone grew the shapes to fill the frame (grey 0.813 -> 0.39 on seed 42); with toy_clean beside it they

@@ -45,16 +45,16 @@ from refl_ddpo.algorithms.forward import (
     soft_update_,
 )
 from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
-from refl_ddpo.errors import cli_main
-from refl_ddpo.families import cond_cat
-from refl_ddpo.rollouts import collect_rewards, sample_clean
+from refl_ddpo.core.errors import cli_main
+from refl_ddpo.core.families import cond_cat
+from refl_ddpo.run.training import seeded_generator
+from refl_ddpo.run.zero import unwrap
 from refl_ddpo.trainers.ddpo_config import num_train_timesteps
 from refl_ddpo.trainers.epochs import EpochAlgorithm, EpochPlan, ScoredEpoch
 from refl_ddpo.trainers.forward_config import ForwardConfig, NFTConfig
 from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
+from refl_ddpo.trainers.rollouts import collect_rewards, sample_clean
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
-from refl_ddpo.training import seeded_generator
-from refl_ddpo.zero import unwrap
 
 
 def forward_sizes(cfg: ForwardConfig, num_processes: int) -> dict[str, int]:
@@ -108,7 +108,7 @@ class ForwardProcess(EpochAlgorithm):
 
     def check(self) -> None:
         if self.cfg.fsdp:
-            from refl_ddpo.errors import UserError
+            from refl_ddpo.core.errors import UserError
 
             raise UserError(
                 "--fsdp: DiffusionNFT and AWM keep a copy of the trained weights (the old policy) that is not "
@@ -195,7 +195,7 @@ class ForwardProcess(EpochAlgorithm):
 
     def train(self, run: Run, epoch: int, plan: EpochPlan, scored: ScoredEpoch) -> None:
         """The forward-process passes over the epoch's samples, then the old policy's soft update."""
-        from refl_ddpo.training import nonfinite_step_error
+        from refl_ddpo.run.training import nonfinite_step_error
 
         cfg = self.cfg
         samples = {
@@ -288,7 +288,7 @@ class ForwardProcess(EpochAlgorithm):
         """The base model's output (LoRA switched off) when --kl_weight > 0, else None."""
         if self.cfg.kl_weight <= 0:
             return None
-        from refl_ddpo.lora import adapters_off
+        from refl_ddpo.core.lora import adapters_off
 
         with adapters_off(unwrap(run.accelerator, run.network)) as base:
             return self.predict(run, draw, cond, base)

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps
-from refl_ddpo.backprop import ReFLStepOutput, draft_step, kl_to_base, pretrain_loss, refl_step
-from refl_ddpo.errors import UserError, cli_main
+from refl_ddpo.core.errors import UserError, cli_main
+from refl_ddpo.trainers.backprop import ReFLStepOutput, draft_step, kl_to_base, pretrain_loss, refl_step
 from refl_ddpo.trainers.refl_config import ReFLConfig, resolve_gradient_accumulation
 from refl_ddpo.trainers.skeleton import Algorithm, Run, main_for, run_training
 
@@ -89,8 +89,8 @@ class ReFL(Algorithm):
     def check(self) -> None:
         import os
 
-        from refl_ddpo.image_captions import PretrainData
-        from refl_ddpo.prompts import PromptDraw, resolve_prompts
+        from refl_ddpo.core.image_captions import PretrainData
+        from refl_ddpo.core.prompts import PromptDraw, resolve_prompts
 
         cfg = self.cfg
         listed = resolve_prompts(cfg.prompts_file) if cfg.prompt_fn is None else None
@@ -225,7 +225,7 @@ class ReFL(Algorithm):
     # ---- the loop ----
 
     def begin(self, run: Run, start: int) -> None:
-        from refl_ddpo.progress import progress_bar
+        from refl_ddpo.core.progress import progress_bar
 
         cfg = self.cfg
         self.checksum_file = None
@@ -279,7 +279,7 @@ class ReFL(Algorithm):
         """Prompts and noise from this process' generator, the rollout with gradient at K, the loss with its
         regularisers; a non-finite reward on any process stops every process (the rewards are gathered)."""
         from refl_ddpo.rewards import count_nonfinite
-        from refl_ddpo.training import nonfinite_step_error
+        from refl_ddpo.run.training import nonfinite_step_error
 
         cfg, family, generator = self.cfg, run.family, self.generator
         prompts, metadata = self.prompts(cfg.train_batch_size, generator)
@@ -332,7 +332,7 @@ class ReFL(Algorithm):
 
     def check_grad_norm(self, grad_norm: float, step: int, results: list[MicroBatch]) -> None:
         """Stop before the update when the (all-reduced: the same on every process) gradient norm is not finite."""
-        from refl_ddpo.training import nonfinite_step_error
+        from refl_ddpo.run.training import nonfinite_step_error
 
         if not math.isfinite(grad_norm):
             self.progress.close()
@@ -346,7 +346,7 @@ class ReFL(Algorithm):
     def log(self, run: Run, global_step: int, k: int, lr: float, grad_norm: float, results: list[MicroBatch]):
         """Means over micro-batches and processes to the trackers and the bar; images and weight checksums."""
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.training import log_image_grid, weights_digest
+        from refl_ddpo.run.training import log_image_grid, weights_digest
 
         cfg, accelerator = self.cfg, run.accelerator
         gas = cfg.gradient_accumulation_steps

@@ -7,9 +7,9 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
-from refl_ddpo.config import CommonConfig, field_, guidance_field
-from refl_ddpo.errors import UserError
-from refl_ddpo.prompts import DATA_DIR
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import DATA_DIR
+from refl_ddpo.run.config import CommonConfig, field_, guidance_field
 
 TOY_WORLD_DIR = DATA_DIR / "toy_world"
 
@@ -190,7 +190,7 @@ class ReFLConfig(CommonConfig):
     def _check_rollout_and_reward(self) -> None:
         """The sampler's eta and CFG; a reward that carries gradient, and ImageReward's options only with it; the
         prompt source imports."""
-        from refl_ddpo.prompts import check_prompt_source
+        from refl_ddpo.core.prompts import check_prompt_source
         from refl_ddpo.rewards import REWARDS, available, is_differentiable, parse_reward_spec
 
         if self.prompt_fn is not None:
@@ -300,7 +300,7 @@ def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLCo
     return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
 
 
-# The toy world (refl_ddpo.toy_world): its committed model and classifier, the 12 training prompts; a recipe that
+# The toy world (refl_ddpo.toy_world.world): its committed model and classifier, the 12 training prompts; a recipe that
 # learns in a few CPU minutes. Held-out prompts (toy_world_heldout) are for evaluation.
 REFL_PRESETS: dict[str, dict] = {
     "toy_world": {
@@ -320,7 +320,7 @@ REFL_PRESETS: dict[str, dict] = {
         "max_train_steps": 160,
         "image_log_steps": 20,
         # the 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, at steps 0, 80 and 160:
-        # 10 s per validation on a 2-core machine under a load of 9 (refl_ddpo.validation)
+        # 10 s per validation on a 2-core machine under a load of 9 (refl_ddpo.run.validation)
         "validation_prompts_file": "toy_world_heldout",
         "validation_steps": 80,
         "num_validation_images": 2,

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from refl_ddpo.config import CommonConfig
-from refl_ddpo.families import ModelFamily
-from refl_ddpo.runs import RunInfo
+from refl_ddpo.core.families import ModelFamily
+from refl_ddpo.run.config import CommonConfig
+from refl_ddpo.run.runs import RunInfo
 
 if TYPE_CHECKING:
-    from refl_ddpo.training import TrainableSpec
-    from refl_ddpo.validation import ValidationSpec
+    from refl_ddpo.run.training import TrainableSpec
+    from refl_ddpo.run.validation import ValidationSpec
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Run:
     family: ModelFamily
     params: list[torch.nn.Parameter]  # the trainable tensors (LoRA, or the whole network)
     dtype: torch.dtype  # of the frozen weights
-    info: RunInfo  # the run's id and the checkpoint it resumes from (refl_ddpo.runs.start_run)
+    info: RunInfo  # the run's id and the checkpoint it resumes from (refl_ddpo.run.runs.start_run)
     network: Any = (
         None  # the prepared (DDP-wrapped on several processes) network: every forward with grad calls it
     )
@@ -77,7 +77,7 @@ class Algorithm(ABC):
     def preflight(self) -> RunInfo:
         """Everything checkable before a model is loaded, the config resolved as far as it can be without the model;
         claims output_dir; returns the run's RunInfo (`.resume`: the checkpoint to resume from, or None)."""
-        from refl_ddpo.runs import start_run
+        from refl_ddpo.run.runs import start_run
 
         self.cfg = shared_checks(self.cfg)
         self.check()
@@ -160,11 +160,11 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     """The checks every trainer makes before a model is loaded: the base model, the LoRA targets and the unset
     guidance flags (resolved here from the model's family: the run records them), the reward's files, the validation
     prompts, the hub settings. Returns the resolved config."""
-    from refl_ddpo.families import resolve_guidance, resolve_lora_targets
-    from refl_ddpo.hub import check_push
-    from refl_ddpo.models import check_pretrained_model
+    from refl_ddpo.core.families import resolve_guidance, resolve_lora_targets
+    from refl_ddpo.core.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
-    from refl_ddpo.validation import check_validation_prompts
+    from refl_ddpo.run.hub import check_push
+    from refl_ddpo.run.validation import check_validation_prompts
 
     check_pretrained_model(cfg.pretrained_model)
     cfg = resolve_guidance(resolve_lora_targets(cfg))
@@ -176,7 +176,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
 
 def trainable_spec(cfg: CommonConfig) -> TrainableSpec:
     """Which weights the run trains (--use_lora, --lora_*, --gradient_checkpointing)."""
-    from refl_ddpo.training import TrainableSpec
+    from refl_ddpo.run.training import TrainableSpec
 
     return TrainableSpec(
         use_lora=cfg.use_lora,
@@ -190,7 +190,7 @@ def trainable_spec(cfg: CommonConfig) -> TrainableSpec:
 
 def validation_spec(cfg: CommonConfig) -> ValidationSpec:
     """How the run validates (--validation_*, --num_validation_images, --seed, the resolved --resolution)."""
-    from refl_ddpo.validation import ValidationSpec
+    from refl_ddpo.run.validation import ValidationSpec
 
     return ValidationSpec(
         prompts_file=cfg.validation_prompts_file,
@@ -208,7 +208,12 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     once (the preflight, then the model's native resolution) and handed on; nothing writes to it afterwards."""
     from accelerate.utils import set_seed
 
-    from refl_ddpo.training import load_trainable_family, make_accelerator, make_optimizer, resolve_resolution
+    from refl_ddpo.run.training import (
+        load_trainable_family,
+        make_accelerator,
+        make_optimizer,
+        resolve_resolution,
+    )
 
     info = algo.preflight()
     cfg = algo.cfg  # as the preflight resolved it
@@ -227,7 +232,7 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
     algo.check_processes(accelerator.num_processes)
     repo_id = None
     if cfg.push_to_hub and accelerator.is_main_process:
-        from refl_ddpo.hub import create_hub_repo, repo_name
+        from refl_ddpo.run.hub import create_hub_repo, repo_name
 
         # before loading: a wrong token or id fails at once
         repo_id = create_hub_repo(repo_name(cfg.hub_model_id, cfg.output_dir), cfg.hub_token)
@@ -258,10 +263,10 @@ def set_up(algo: Algorithm) -> tuple[Run, str | None]:
 
 
 def zero_config(cfg: CommonConfig, accumulation: int) -> dict | None:
-    """The DeepSpeed config of --deepspeed_zero (refl_ddpo.zero), or None without it."""
+    """The DeepSpeed config of --deepspeed_zero (refl_ddpo.run.zero), or None without it."""
     if cfg.deepspeed_zero is None:
         return None
-    from refl_ddpo.zero import deepspeed_config
+    from refl_ddpo.run.zero import deepspeed_config
 
     return deepspeed_config(
         cfg.deepspeed_zero,
@@ -280,7 +285,7 @@ def prepare(run: Run) -> None:
     A reference to the unsharded parameters kept through `prepare` would keep each one whole on the device (a full
     fine-tune: the whole fp32 network), so run.params lets go of them first (accelerate swaps the optimizer's for
     placeholders; EMA and the old-policy copy are refused with --fsdp) and holds the sharded ones after."""
-    from refl_ddpo.sharding import is_sharded, trainable_params
+    from refl_ddpo.core.sharding import is_sharded, trainable_params
 
     sharded = is_sharded(run.accelerator)
     if sharded:
@@ -292,8 +297,8 @@ def prepare(run: Run) -> None:
 
 def start(algo: Algorithm, run: Run) -> int:
     """Trackers, the config printed, the resumed state; returns the iterations already done."""
-    from refl_ddpo.checkpoints import load_checkpoint
-    from refl_ddpo.training import print_config, start_trackers
+    from refl_ddpo.run.checkpoints import load_checkpoint
+    from refl_ddpo.run.training import print_config, start_trackers
 
     cfg, accelerator, resume = run.cfg, run.accelerator, run.info.resume
     start_trackers(
@@ -319,8 +324,8 @@ def start(algo: Algorithm, run: Run) -> int:
 
 def run_training(algo: Algorithm) -> Path:
     """Train with `algo`'s parts (see the module doc); returns the output folder (final weights at its top)."""
-    from refl_ddpo.training import check_identical_weights, save_final
-    from refl_ddpo.validation import make_validator
+    from refl_ddpo.run.training import check_identical_weights, save_final
+    from refl_ddpo.run.validation import make_validator
 
     run, repo_id = set_up(algo)
     cfg, accelerator = run.cfg, run.accelerator
@@ -378,8 +383,8 @@ def run_training(algo: Algorithm) -> Path:
 
 def checkpoint(algo: Algorithm, run: Run, done: int) -> Path:
     """output_dir/checkpoint-N after `done` iterations: accelerate's state, the algorithm's, the run's record."""
-    from refl_ddpo.checkpoints import save_checkpoint
-    from refl_ddpo.resume_fit import settings
+    from refl_ddpo.run.checkpoints import save_checkpoint
+    from refl_ddpo.run.resume_fit import settings
 
     cfg = run.cfg
     path = save_checkpoint(
@@ -401,8 +406,8 @@ def checkpoint(algo: Algorithm, run: Run, done: int) -> Path:
 
 def main_for(algorithm: type[Algorithm], config_cls: type, argv: list[str] | None, description: str) -> None:
     """A trainer's command line: parse the layered flags, then train (or, under launch.sh's preflight, only check)."""
-    from refl_ddpo.flags import parse_config
-    from refl_ddpo.training import run_or_preflight
+    from refl_ddpo.run.flags import parse_config
+    from refl_ddpo.run.training import run_or_preflight
 
     def train(cfg):
         return run_training(algorithm(cfg))

@@ -1,0 +1,117 @@
+"""Model families: chosen from model_index.json's `_class_name`; see `base.ModelFamily` for what one provides."""
+
+from __future__ import annotations
+
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families.base import TEXT_ENCODER_NAMES, Cond, ModelFamily, cond_cat, cond_expand
+
+__all__ = [
+    "Cond",
+    "ModelFamily",
+    "cond_cat",
+    "cond_expand",
+    "family_class",
+    "load_family",
+    "resolve_guidance",
+    "resolve_lora_targets",
+]
+
+# model_index.json _class_name -> (module, class); a static table, so choosing a family imports nothing heavy.
+FAMILIES = {
+    "StableDiffusionPipeline": ("refl_ddpo.core.families.sd", "StableDiffusion"),
+    "StableDiffusion3Pipeline": ("refl_ddpo.core.families.sd3", "StableDiffusion3"),
+    "StableDiffusionXLPipeline": ("refl_ddpo.core.families.sdxl", "StableDiffusionXL"),
+    "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
+    "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
+}
+
+
+def family_class(pipeline_class: str) -> type[ModelFamily]:
+    import importlib
+
+    if pipeline_class not in FAMILIES:
+        known = ", ".join(FAMILIES)
+        raise UserError(
+            f"model_index.json names {pipeline_class or 'no pipeline class'}; this kit trains {known} "
+            "folders."
+        )
+    module, name = FAMILIES[pipeline_class]
+    return getattr(importlib.import_module(module), name)
+
+
+def load_family(
+    name: str,
+    dtype=None,
+    device="cpu",
+    drop_t5: bool = False,
+    network_on_host: bool = False,
+    offload_text_encoders: bool = False,
+    shard_text_encoders: bool = False,
+) -> ModelFamily:
+    """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
+    its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
+    the CPU (--fsdp: `prepare` puts only its shards on `device`); the other parts go to `device`.
+    `offload_text_encoders`: the text encoders stay on the CPU and visit `device` only while they encode
+    (`ModelFamily.text_encoders_on_device`); composes with `network_on_host`. `shard_text_encoders`
+    (--fsdp_shard_text_encoders; torch.distributed must run): they are loaded on the host, then sharded per block over
+    the processes (`refl_ddpo.core.sharding.shard_frozen`), each process' shard on `device`."""
+    from refl_ddpo.core.models import load_pipeline, pipeline_class_name
+
+    pipeline_class = pipeline_class_name(name)
+    cls = family_class(pipeline_class)
+    if drop_t5 and pipeline_class == "FluxPipeline":
+        raise UserError(
+            f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
+            "so it cannot run without it; leave --drop_t5 off."
+        )
+    if drop_t5 and pipeline_class == "QwenImagePipeline":
+        raise UserError(
+            f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
+        )
+    on_host = ((cls.network_name,) if network_on_host else ()) + (
+        TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
+    )
+    family = cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))
+    if shard_text_encoders:
+        from refl_ddpo.core.sharding import shard_frozen
+
+        for module in family.text_encoders():
+            shard_frozen(module)
+    if offload_text_encoders:
+        family.text_encoder_device = device
+    return family
+
+
+def resolve_lora_targets(cfg):
+    """The config with unset --lora_target_modules resolved to the model family's default LoRA targets (chosen from
+    model_index.json, before any weights load): a copy, the config itself stays as it was."""
+    if cfg.lora_target_modules is not None:
+        return cfg
+    import dataclasses
+
+    from refl_ddpo.core.models import pipeline_class_name
+
+    targets = list(family_class(pipeline_class_name(cfg.pretrained_model)).lora_target_modules)
+    return dataclasses.replace(cfg, lora_target_modules=targets)
+
+
+def resolve_guidance(cfg, family: type[ModelFamily] | None = None):
+    """The config with every guidance flag left unset (None; a field made by `refl_ddpo.run.config.guidance_field`)
+    resolved to the model family's default for it (`ModelFamily.default_guidance_scale`): the flag's CFG default on
+    SD 1.x/2.x, SDXL and SD3, the pipeline's embedded guidance (3.5) on FLUX.1. A value the user set is kept. The
+    family is chosen from model_index.json (before any weights load) unless given. A copy; the config stays as it
+    was."""
+    import dataclasses
+
+    unset = {
+        f.name: f.metadata["cfg_default"]
+        for f in dataclasses.fields(cfg)
+        if "cfg_default" in f.metadata and getattr(cfg, f.name) is None
+    }
+    if not unset:
+        return cfg
+    if family is None:
+        from refl_ddpo.core.models import pipeline_class_name
+
+        family = family_class(pipeline_class_name(cfg.pretrained_model))
+    return dataclasses.replace(cfg, **{n: family.default_guidance_scale(d) for n, d in unset.items()})

@@ -1,0 +1,264 @@
+"""Validation during training: held-out prompts, fixed seeds, the long deterministic sampler, the training reward(s).
+
+Every trainer validates the same way (`Validator`), before its first step, every N steps (ReFL: optimizer steps;
+DDPO / GRPO: epochs) and after its last:
+
+    image j of prompt i      seeded --seed + i x num_validation_images + j (`refl_ddpo.core.generate.plan_images`)
+    sampler                  the family's deterministic one: DDIM with eta 0 (SD 1.x/2.x, SDXL), the flow ODE (SD3,
+                             FLUX.1), --validation_num_steps steps, CFG --validation_guidance_scale (FLUX.1-dev:
+                             its embedded guidance) (`generate_batch`)
+    scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
+                             each part), logged to every tracker with a captioned grid `validation/images`
+    files                    output_dir/validation/{step|epoch}-N.png (the grid) and .json (the model family, the
+                             sampler, each image's prompt, seed and reward, and the means), which the model card
+                             reads
+
+So the images change only with the weights, and `inference_lora.py --seed S --num_images_per_prompt n
+--num_inference_steps T --prompts_file FILE` draws the same ones from a saved LoRA. The main process alone validates
+(no collective runs in it, the other processes wait at the next one), from its own generators: the training's random
+streams do not move, so a resumed run stays bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
+GRID_TAG = "validation/images"
+
+
+@dataclass
+class ValidationResult:
+    count: int  # the step or epoch after which it ran (0: before training)
+    unit: str  # "step" (ReFL's optimizer steps) or "epoch" (DDPO, GRPO)
+    metrics: dict[str, float]  # validation/<reward>/mean|std
+    grid: Path  # the captioned grid, output_dir/validation/{unit}-{count}.png
+    records: list[dict]  # per image: prompt, seed, reward
+    images: torch.Tensor  # (N, 3, H, W) in [0, 1], on the CPU
+
+
+def validation_files(output_dir: str | Path) -> list[dict]:
+    """The validation records (.json) in output_dir/validation, oldest first."""
+    folder = Path(output_dir) / VALIDATION_DIR
+    records = []
+    for path in folder.glob("*.json") if folder.is_dir() else []:
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r.get("count", 0))
+
+
+def check_validation_prompts(cfg) -> None:
+    """Before any model loads: --validation_prompts_file reads (a one-line error naming the flag if not)."""
+    if not cfg.validation_prompts_file:
+        return
+    from refl_ddpo.core.errors import UserError
+    from refl_ddpo.core.prompts import resolve_prompts
+
+    try:
+        resolve_prompts(cfg.validation_prompts_file)
+    except UserError as e:
+        raise UserError(str(e).replace("--prompts_file", "--validation_prompts_file", 1)) from None
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """What validation draws and how (the --validation_* flags, resolved): built once by the skeleton; the model
+    card's examples draw the same images again from it."""
+
+    prompts_file: str | None  # --validation_prompts_file; None: no validation
+    num_images: int  # per prompt (--num_validation_images)
+    seed: int  # image j of prompt i is seeded seed + i x num_images + j
+    num_steps: int
+    guidance_scale: float
+    batch_size: int
+    resolution: int
+
+
+def make_validator(
+    accelerator,
+    family,
+    reward,
+    reward_spec: str,
+    spec: ValidationSpec,
+    output_dir: str | Path,
+    *,
+    every: int,
+    unit: str,
+    last: int,
+    start: int,
+):
+    """The trainer's Validator, or None without a prompts file; the records of validations after `start` (from a
+    run that went further and was not resumed from there) are forgotten."""
+    if not spec.prompts_file:
+        return None
+    validator = Validator(
+        accelerator, family, reward, reward_spec, spec, output_dir, every=every, unit=unit, last=last
+    )
+    validator.forget_after(start)
+    return validator
+
+
+class Validator:
+    """Validates the family's current weights on the validation prompts; see the module doc.
+
+    `reward` is the trainer's reward (refl_ddpo.rewards), `reward_spec` its --reward string; `spec` what to draw;
+    files go to output_dir/validation; `every` is N in the trainer's `unit`, 0 for only before the first and after
+    the last."""
+
+    def __init__(
+        self,
+        accelerator,
+        family,
+        reward,
+        reward_spec: str,
+        spec: ValidationSpec,
+        output_dir: str | Path,
+        *,
+        every: int,
+        unit: str,
+        last: int,
+    ):
+        from refl_ddpo.core.generate import plan_images
+        from refl_ddpo.core.prompts import resolve_prompts
+
+        self.accelerator, self.family, self.reward, self.reward_spec = (
+            accelerator,
+            family,
+            reward,
+            reward_spec,
+        )
+        self.every, self.unit, self.last = every, unit, last
+        self.specs = plan_images(resolve_prompts(spec.prompts_file), spec.num_images, spec.seed)
+        self.per_prompt = spec.num_images
+        self.num_steps, self.guidance_scale = spec.num_steps, spec.guidance_scale
+        self.batch_size, self.resolution = spec.batch_size, spec.resolution
+        self.folder = Path(output_dir) / VALIDATION_DIR
+        # The family's first sampler is its deterministic inference one (DDIM / flow Euler), run with eta 0.
+        self.scheduler_name = next(iter(family.schedulers.values()))
+        self.scheduler = family.scheduler(self.scheduler_name)
+
+    def forget_after(self, count: int) -> None:
+        """Delete the files of validations after `count` (all of them from 0): a run that starts or resumes there
+        redoes them, and the model card must not show those of an earlier attempt (main process)."""
+        if not self.accelerator.is_main_process or not self.folder.is_dir():
+            return
+        for record in validation_files(self.folder.parent):
+            if count == 0 or record.get("count", 0) > count:
+                name = Path(record.get("grid", "")).stem
+                for suffix in (".json", ".png"):
+                    (self.folder / f"{name}{suffix}").unlink(missing_ok=True)
+
+    def due(self, count: int) -> bool:
+        """Whether to validate after `count` steps or epochs: 0 (the baseline), every N, the last."""
+        return count == 0 or count == self.last or bool(self.every and count % self.every == 0)
+
+    def __call__(self, count: int, log_step: int) -> ValidationResult | None:
+        """Validate (main process only; None elsewhere) and log at tracker step `log_step`. A sharded network
+        (FSDP) needs every process in each forward: all draw and score the images, the main process writes and logs
+        them."""
+        from refl_ddpo.core.sharding import is_sharded
+
+        if not self.accelerator.is_main_process:
+            if is_sharded(self.accelerator):
+                with torch.no_grad():
+                    self.draw_and_score()
+            return None
+        from tqdm.auto import tqdm
+
+        from refl_ddpo.rewards import reward_stats
+        from refl_ddpo.run.outputs import log_grid
+
+        images_all, rewards_all, parts = self.draw_and_score()
+        stats = reward_stats(self.reward_spec, rewards_all, parts)
+        metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
+        name = f"{self.unit}-{count}"
+        grid, records = self.write(name, count, metrics, images_all, rewards_all)
+        self.accelerator.log({**metrics, f"validation/{self.unit}": count}, step=log_step)
+        log_grid(self.accelerator, GRID_TAG, grid, log_step)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
+        tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
+        return ValidationResult(count, self.unit, metrics, self.folder / f"{name}.png", records, images_all)
+
+    def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
+        in [0, 1], rewards (N,), the reward's per-image parts), all on the CPU; the network's mode restored."""
+        from refl_ddpo.core.generate import generate_batch
+
+        network = self.family.network
+        was_training = network.training
+        network.eval()
+        images, rewards, parts = [], [], {}
+        try:
+            for start in range(0, len(self.specs), self.batch_size):
+                batch = self.specs[start : start + self.batch_size]
+                prompts = [s.prompt for s in batch]
+                with self.accelerator.autocast():
+                    pixels = generate_batch(
+                        self.family,
+                        prompts,
+                        [s.seed for s in batch],
+                        self.resolution,
+                        self.num_steps,
+                        self.guidance_scale,
+                        eta=0.0,
+                        scheduler=self.scheduler,
+                    ).clone()  # (B, 3, H, W) in [0, 1]; out of inference mode for the reward
+                with torch.no_grad():
+                    r, info = self.reward(pixels, prompts, [dict(s.metadata) for s in batch])
+                images.append(pixels.float().cpu())
+                rewards.append(r.detach().float().cpu())
+                for name, value in info.items():
+                    if isinstance(value, torch.Tensor) and value.shape == r.shape:
+                        parts.setdefault(name, []).append(value.detach().float().cpu())
+        finally:
+            network.train(was_training)
+        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
+
+    def write(
+        self, name: str, count: int, metrics: dict, images_all: torch.Tensor, rewards_all: torch.Tensor
+    ) -> tuple[torch.Tensor, list[dict]]:
+        """validation/NAME.png (the captioned grid) and NAME.json (metrics, sampler, one record per image); returns
+        the grid (3, H, W) uint8 and the records."""
+        from PIL import Image
+
+        from refl_ddpo.core.images import caption_grid, fmt_score, write_json_atomic
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        captions = [
+            f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
+            for s, r in zip(self.specs, rewards_all, strict=True)
+        ]
+        # whole prompts per row, at least 4 images wide
+        grid = caption_grid(images_all, captions, cols=self.per_prompt * math.ceil(4 / self.per_prompt))
+        Image.fromarray(grid.permute(1, 2, 0).numpy()).save(self.folder / f"{name}.png")
+        records = [
+            {"prompt": s.prompt, "seed": s.seed, "reward": _finite(float(r))}
+            for s, r in zip(self.specs, rewards_all, strict=True)
+        ]
+        summary = {
+            "count": count,
+            "unit": self.unit,
+            "metrics": {k: _finite(v) for k, v in metrics.items()},
+            "grid": f"{name}.png",
+            "family": self.family.name,
+            "sampler": {
+                "scheduler": self.scheduler_name,
+                "eta": 0.0,
+                "num_inference_steps": self.num_steps,
+                "guidance_scale": self.guidance_scale,
+            },
+            "records": records,
+        }
+        write_json_atomic(self.folder / f"{name}.json", summary)
+        return grid, records

@@ -1,0 +1,161 @@
+"""PPO over stored trajectories (DDPO, GRPO): the loss of one stored step under the current weights, and one inner
+epoch of PPO-clip updates over an epoch's samples (shuffled samples and timesteps, gradient accumulation
+over the trained timesteps, the optional KL to the base model, the non-finite gradient guard)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from refl_ddpo.algorithms.policy import ppo_clip_loss
+from refl_ddpo.core.families import Cond, ModelFamily, cond_expand
+from refl_ddpo.run.zero import unwrap
+from refl_ddpo.trainers.rollouts import STEP_KEYS, shuffle_samples
+
+
+def ppo_step_loss(
+    family: ModelFamily,
+    scheduler,
+    network,
+    base,
+    batch: dict[str, torch.Tensor],
+    j: int,
+    cond: Cond,
+    uncond: Cond | None,
+    guidance_scale: float,
+    eta: float,
+    clip_range: float,
+    kl_weight: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """PPO-clip's loss at the j-th trained step of a micro-batch (plus `kl_weight` x the step's KL to `base`, the
+    unwrapped network with its LoRA switched off): (loss, metrics, log-probability (B,) under the current weights)."""
+    from refl_ddpo.core.lora import adapters_off
+
+    x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]  # (B, C, h, w), (B,): one timestep per sample
+    # the stored next latent's log-probability under the current weights (the scheduler is set to the run's steps)
+    model_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
+    _, log_prob, _ = family.step_with_logprob(
+        scheduler, model_output, t, x_t, eta, prev_sample=batch["next_latents"][:, j]
+    )
+    loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range)
+    if kl_weight > 0:
+        with adapters_off(base):
+            ref_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
+        kl = family.step_kl(scheduler, model_output, ref_output, t, eta).mean()
+        info["kl"] = kl.detach()
+        loss = loss + kl_weight * kl
+    return loss, info, log_prob
+
+
+def count_ratios(
+    step_ratios: torch.Tensor,
+    schedule: torch.Tensor,
+    t: torch.Tensor,
+    log_prob: torch.Tensor,
+    old: torch.Tensor,
+) -> None:
+    """Add a micro-step's importance ratios exp(log_prob - old) (B,) to `step_ratios` (2, steps): summed ratios and
+    sample counts at each sample's sampler step (0 = the first: its timestep t's place in the schedule)."""
+    step = (t[:, None] == schedule[None]).int().argmax(1).to(step_ratios.device)
+    ratio = torch.exp(log_prob.detach() - old).to(step_ratios)  # (B,)
+    step_ratios[0].index_add_(0, step, ratio)
+    step_ratios[1].index_add_(0, step, torch.ones_like(ratio))
+
+
+def step_metrics(
+    accelerator, acc: dict[str, list], step_ratios: torch.Tensor, grad_norm: float
+) -> dict[str, float]:
+    """An optimizer step's metrics: the means of its micro-steps' `acc` over processes, the gradient norm and, per
+    sampler step NN it trained on, the mean importance ratio `ratio_by_step/NN` (`step_ratios`: (2, steps) summed
+    ratios and counts on this process)."""
+    means = accelerator.reduce({k: torch.stack(v).mean() for k, v in acc.items()}, reduction="mean")
+    sums, counts = accelerator.reduce(step_ratios, reduction="sum").tolist()
+    by_step = {
+        f"ratio_by_step/{i:02d}": r / c for i, (r, c) in enumerate(zip(sums, counts, strict=True)) if c
+    }
+    return {**{k: float(v) for k, v in means.items()}, **by_step, "grad_norm": grad_norm}
+
+
+def train_on_samples(
+    family: ModelFamily,
+    network,
+    scheduler,
+    samples: dict[str, torch.Tensor],
+    uncond: Cond | None,
+    accelerator,
+    optimizer,
+    params: list[torch.nn.Parameter],
+    generator: torch.Generator,
+    *,
+    num_steps: int,
+    batch_size: int,
+    num_train_steps: int,
+    guidance_scale: float,
+    eta: float,
+    clip_range: float,
+    kl_weight: float = 0.0,
+    max_grad_norm: float = 0.0,
+    skip_last_steps: int = 0,
+    on_step: Callable[[dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
+
+    `network` is the prepared (possibly DDP-wrapped) network and `optimizer` the prepared optimizer (it steps only
+    when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
+    x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
+    trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
+    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
+    also handed to `on_step` as each step ends (a progress bar); besides `ratio` (the mean importance ratio) it holds
+    `ratio_by_step/NN`, the mean ratio of the samples trained at sampler step NN (0 = the first), for each step the
+    optimizer step trained on. A non-finite gradient norm raises FloatingPointError before the update (on all
+    processes alike)."""
+    schedule = family.set_timesteps(scheduler, num_steps, samples["latents"])
+    schedule = schedule.to(samples["timesteps"].device)
+    if not torch.isin(samples["timesteps"], schedule).all():
+        raise ValueError("the samples' timesteps are not those of a num_steps schedule")
+    samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
+    n = samples["timesteps"].shape[0]
+    cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
+    uncond = None if uncond is None else cond_expand(uncond, batch_size)
+    base = unwrap(accelerator, network)
+    results, acc = [], defaultdict(list)
+    # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
+    step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)
+    settings = (guidance_scale, eta, clip_range, kl_weight)
+    network.train()
+    for start in range(0, n, batch_size):
+        batch = {k: v[start : start + batch_size] for k, v in samples.items()}
+        cond = {k: batch[k] for k in cond_keys}
+        for j in range(num_train_steps):
+            with accelerator.accumulate(network):
+                with accelerator.autocast():
+                    loss, info, log_prob = ppo_step_loss(
+                        family, scheduler, network, base, batch, j, cond, uncond, *settings
+                    )
+                info["loss"] = loss.detach()
+                for k, v in info.items():
+                    acc[k].append(v)
+                count_ratios(
+                    step_ratios, schedule, batch["timesteps"][:, j], log_prob, batch["log_probs"][:, j]
+                )
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
+                    grad_norm = float(accelerator.clip_grad_norm_(params, max_grad_norm or math.inf))
+                    if not math.isfinite(grad_norm):
+                        raise FloatingPointError(
+                            f"the gradient norm is {grad_norm} (PPO loss {float(loss):.4g}, advantages in "
+                            f"[{float(batch['advantages'].min()):.3g}, {float(batch['advantages'].max()):.3g}])"
+                        )
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                results.append(step_metrics(accelerator, acc, step_ratios, grad_norm))
+                acc = defaultdict(list)
+                step_ratios.zero_()
+                if on_step is not None:
+                    on_step(results[-1])
+    return results

@@ -1,0 +1,243 @@
+"""Rollouts of the policy-gradient trainers: trajectories sampled with step log-probabilities, their rewards, and
+the per-epoch sample buffers (stacked, then shuffled per sample and per step). Shared by DDPO and GRPO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from refl_ddpo.core.families import Cond, ModelFamily, cond_cat, cond_expand
+from refl_ddpo.rewards import Reward
+
+STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (N, S, ...) per sample and step
+
+
+@dataclass
+class SampleBatch:
+    """One sampling batch: the trajectory (what training needs) and the images and rewards (what is logged)."""
+
+    prompts: list[str]
+    prompt_metadata: list[dict]
+    cond: Cond  # e.g. {"prompt_embeds": (B, L, D)}
+    timesteps: torch.Tensor  # (B, S)
+    latents: torch.Tensor  # (B, S, C, h, w): x_t before each step
+    next_latents: torch.Tensor  # (B, S, C, h, w): x_{t-1} the sampler drew
+    log_probs: torch.Tensor  # (B, S)
+    images: torch.Tensor  # (B, 3, H, W) in [0, 1]
+    rewards: Future | tuple[torch.Tensor, dict]
+
+
+def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+    with torch.no_grad():  # grad mode is per thread: the pool's threads start with it on
+        rewards, info = reward(images, prompts, metadata)
+    return rewards.detach().float(), info
+
+
+def sample_epoch(
+    family: ModelFamily,
+    scheduler,
+    prompt_fn,
+    reward: Reward,
+    uncond: Cond,
+    *,
+    batch_size: int,
+    num_batches: int,
+    num_steps: int,
+    guidance_scale: float,
+    eta: float,
+    resolution: int,
+    generator: torch.Generator,
+    network=None,
+    autocast=None,
+    executor: ThreadPoolExecutor | None = None,
+    initial_noise: torch.Tensor | None = None,
+    sde_window: tuple[int, int] | None = None,
+    on_batch: Callable[[SampleBatch], None] | None = None,
+) -> list[SampleBatch]:
+    """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
+
+    `uncond` (batch 1) is the empty prompt's conditioning; `generator` (CPU) draws the initial noise and every step's
+    noise; `network` is the (accelerate-wrapped) network to sample with, the family's own by default; `on_batch` is
+    called with each batch as it is done (a progress bar).
+    """
+    autocast = autocast or nullcontext
+    batches = []
+    window = slice(None) if sde_window is None else slice(sde_window[0], sum(sde_window))
+    with torch.no_grad():  # sampling: no graph (training recomputes each trained step with grad)
+        for b in range(num_batches):
+            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            dtype = next(iter(cond.values())).dtype
+            if initial_noise is None:
+                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            else:
+                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
+            with autocast():
+                from refl_ddpo.core.sampling import denoise
+
+                out = denoise(
+                    family,
+                    scheduler,
+                    cond,
+                    cond_expand(uncond, batch_size),
+                    noise,
+                    num_steps,
+                    guidance_scale,
+                    eta=eta,
+                    generator=generator,
+                    with_logprob=True,
+                    keep_trajectory=True,
+                    network=network,
+                    sde_steps=None if sde_window is None else range(*window.indices(num_steps)),
+                )
+                images = family.decode(out.latents)
+            trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
+            rewards = (
+                executor.submit(_score, reward, images, prompts, metadata)
+                if executor is not None
+                else _score(reward, images, prompts, metadata)
+            )
+            batches.append(
+                SampleBatch(
+                    prompts=prompts,
+                    prompt_metadata=metadata,
+                    cond=cond,
+                    timesteps=out.timesteps.to(noise.device).repeat(batch_size, 1)[:, window],
+                    latents=trajectory[:, :-1][:, window],
+                    next_latents=trajectory[:, 1:][:, window],
+                    log_probs=torch.stack(out.log_probs, dim=1)[:, window],
+                    images=images,
+                    rewards=rewards,
+                )
+            )
+            if on_batch is not None:
+                on_batch(batches[-1])
+    return batches
+
+
+@dataclass
+class CleanBatch:
+    """One batch of clean samples for the forward-process trainers: the final latents x0, no trajectory."""
+
+    prompts: list[str]
+    prompt_metadata: list[dict]
+    cond: Cond  # e.g. {"prompt_embeds": (B, L, D)}
+    latents: torch.Tensor  # (B, C, h, w): x0 as the sampler left it
+    images: torch.Tensor  # (B, 3, H, W) in [0, 1]
+    rewards: Future | tuple[torch.Tensor, dict]
+
+
+def sample_clean(
+    family: ModelFamily,
+    scheduler,
+    prompt_fn,
+    reward: Reward,
+    uncond: Cond | None,
+    *,
+    batch_size: int,
+    num_batches: int,
+    num_steps: int,
+    guidance_scale: float,
+    resolution: int,
+    generator: torch.Generator,
+    network=None,
+    autocast=None,
+    executor: ThreadPoolExecutor | None = None,
+    initial_noise: torch.Tensor | None = None,
+    on_batch: Callable[[CleanBatch], None] | None = None,
+) -> list[CleanBatch]:
+    """Sample `num_batches` batches of clean latents with the deterministic sampler (DDIM eta 0, the flow Euler
+    step; CFG with `uncond` (batch 1) when guidance_scale > 1), decode and score them (futures with `executor`).
+    `generator` draws the initial noise unless `initial_noise` (N, C, h, w) is given."""
+    from refl_ddpo.core.sampling import denoise
+
+    autocast = autocast or nullcontext
+    batches = []
+    with torch.no_grad():
+        for b in range(num_batches):
+            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            dtype = next(iter(cond.values())).dtype
+            if initial_noise is None:
+                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            else:
+                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
+            guided = None if uncond is None else cond_expand(uncond, batch_size)
+            with autocast():
+                out = denoise(
+                    family, scheduler, cond, guided, noise, num_steps, guidance_scale, network=network
+                )
+                images = family.decode(out.latents)
+            rewards = (
+                executor.submit(_score, reward, images, prompts, metadata)
+                if executor is not None
+                else _score(reward, images, prompts, metadata)
+            )
+            batches.append(CleanBatch(prompts, metadata, cond, out.latents, images, rewards))
+            if on_batch is not None:
+                on_batch(batches[-1])
+    return batches
+
+
+def collect_rewards(batches: list) -> None:
+    """Wait for reward futures, in place: each batch's `rewards` becomes (rewards (B,), info)."""
+    for batch in batches:
+        if isinstance(batch.rewards, Future):
+            batch.rewards = batch.rewards.result()
+
+
+def stack_samples(batches: list[SampleBatch], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The training tensors of an epoch, batches concatenated: N = batches x batch size samples per process; the
+    conditioning tensors under their own names."""
+    samples = {key: torch.cat([getattr(b, key) for b in batches]) for key in STEP_KEYS}
+    samples.update(cond_cat([b.cond for b in batches]))
+    samples["advantages"] = advantages.to(samples["log_probs"].device)
+    return samples
+
+
+def shuffle_samples(
+    samples: dict[str, torch.Tensor], generator: torch.Generator, trainable_steps: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Shuffle samples, then each sample's timesteps independently (ddpo-pytorch), drawn from `generator`.
+
+    With `trainable_steps` k < S only the first k steps of each trajectory are shuffled and put first; the last
+    S - k follow in order, so a trainer taking the first <= k shuffled steps never trains on them.
+    """
+    n, steps = samples["timesteps"].shape
+    keep = steps if trainable_steps is None else trainable_steps
+    perm = torch.randperm(n, generator=generator, device=generator.device)
+    out = {k: v[perm.to(v.device)] for k, v in samples.items()}
+    tail = torch.arange(keep, steps, device=generator.device)
+    time_perm = torch.stack(
+        [
+            torch.cat([torch.randperm(keep, generator=generator, device=generator.device), tail])
+            for _ in range(n)
+        ]
+    )  # (N, S)
+    rows = torch.arange(n)[:, None]
+    for key in STEP_KEYS:
+        v = out[key]
+        out[key] = v[rows.to(v.device), time_perm.to(v.device)]
+    return out
+
+
+# ---- GRPO's groups ----
+
+
+def epoch_groups(prompt_fn, num_groups: int, group_size: int) -> tuple[list[tuple[str, dict]], torch.Tensor]:
+    """The (prompt, metadata) of every sample of an epoch, over all processes: `num_groups` prompts from `prompt_fn`,
+    each repeated `group_size` times in a row, and each sample's group id (num_groups x group_size,). Process p takes
+    the p-th equal slice, so a group may be spread over processes; `prompt_fn` must be the same on all of them."""
+    prompts = [prompt_fn() for _ in range(num_groups)]
+    samples = [(p, dict(m)) for p, m in prompts for _ in range(group_size)]
+    return samples, torch.arange(num_groups).repeat_interleave(group_size)
+
+
+def draw_window_start(generator: torch.Generator, trainable_steps: int, window: int) -> int:
+    """A window's first step, uniform in [0, trainable_steps - window], from `generator`."""
+    return int(torch.randint(0, trainable_steps - window + 1, (1,), generator=generator))
