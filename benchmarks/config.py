@@ -179,15 +179,7 @@ class BenchConfig(ConfigBase):
             raise UserError(
                 "--compile needs --warmup >= 1: compilation happens in the first run and must not be timed."
             )
-        if not 0 <= self.refl_backprop_steps <= self.refl_steps:
-            raise UserError(
-                f"--refl_backprop_steps {self.refl_backprop_steps} must be in 0..--refl_steps ({self.refl_steps})."
-            )
-        if not 0 <= self.refl_k < self.refl_steps:
-            raise UserError(f"--refl_k {self.refl_k} must be in 0..--refl_steps-1 ({self.refl_steps - 1}).")
-        bad = [m for m in self.refl_modes if m not in ("lora", "full")]
-        if bad:
-            raise UserError(f"--refl_modes {' '.join(bad)}: use lora and/or full.")
+        self._check_refl()
         for name in ("refl_batch_sizes", "inference_batch_sizes"):
             if any(b <= 0 for b in getattr(self, name)):
                 raise UserError(f"--{name} must all be > 0 (got {getattr(self, name)}).")
@@ -205,6 +197,17 @@ class BenchConfig(ConfigBase):
             raise UserError(f"--peak_tflops must be > 0 (got {self.peak_tflops}).")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: CUDA is not available here; use --device cpu.")
+
+    def _check_refl(self) -> None:
+        if not 0 <= self.refl_backprop_steps <= self.refl_steps:
+            raise UserError(
+                f"--refl_backprop_steps {self.refl_backprop_steps} must be in 0..--refl_steps ({self.refl_steps})."
+            )
+        if not 0 <= self.refl_k < self.refl_steps:
+            raise UserError(f"--refl_k {self.refl_k} must be in 0..--refl_steps-1 ({self.refl_steps - 1}).")
+        bad = [m for m in self.refl_modes if m not in ("lora", "full")]
+        if bad:
+            raise UserError(f"--refl_modes {' '.join(bad)}: use lora and/or full.")
 
     def _check_fsdp(self) -> None:
         if self.fsdp_world_size < 0 or self.fsdp_world_size == 1:

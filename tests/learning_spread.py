@@ -62,6 +62,24 @@ def _load(*outs: Path) -> list[dict]:
     ]
 
 
+def _jobs(done: set, cases: list[str], seeds: list[int], paths: list[str]) -> list[tuple]:
+    """What is left to do: the base model's evaluation once per judged prompt set and path, then each run."""
+    jobs = []
+    bases = {}
+    for name in cases:
+        bases.setdefault(CASES[name].eval_key, name)
+    for key, name in bases.items():
+        for path in paths:
+            if ("base", None, "/".join(key), None, path) not in done:
+                jobs.append(("base", name, None, path))
+    for name in cases:
+        for seed in seeds:
+            for path in paths:
+                if ("run", name, None, seed, path) not in done:
+                    jobs.append(("run", name, seed, path))
+    return jobs
+
+
 def run(
     out: Path,
     cases: list[str],
@@ -80,19 +98,7 @@ def run(
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    jobs = []
-    bases = {}
-    for name in cases:
-        bases.setdefault(CASES[name].eval_key, name)
-    for key, name in bases.items():
-        for path in paths:
-            if ("base", None, "/".join(key), None, path) not in done:
-                jobs.append(("base", name, None, path))
-    for name in cases:
-        for seed in seeds:
-            for path in paths:
-                if ("run", name, None, seed, path) not in done:
-                    jobs.append(("run", name, seed, path))
+    jobs = _jobs(done, cases, seeds, paths)
 
     def do(job) -> None:
         kind, name, seed, path = job
