@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 # The longest files start first, so that with several workers (pytest-xdist) they run beside the many short ones
 # (pyproject's --no-loadscope-reorder keeps this order: xdist would otherwise start the files with the most tests).
 # xdist hands each worker a second file while its first has 2 tests or fewer to go. Each learning proof has a file of
-# its own, longest first (training and judging: docs/learning_spread.md), so that 2 workers split the stage evenly:
+# its own, longest first (training and judging: docs/record/learning_spread.md), so that 2 workers split the stage evenly:
 # ReFL and DDPO-SD3 start together, each judging a different base.
 LONG_FIRST = (
     "test_toy_learning",

@@ -4,7 +4,7 @@ they are measured and run under.
 
 tests/test_toy_learning*.py run each case once, on the pinned numeric path; tests/learning_spread.py runs each over
 training seeds x numeric paths and reports how far every measured quantity sits from its bound, in units of its
-spread (docs/learning_spread.md). The rule: the mean clears each bound by at least 5 times its standard deviation
+spread (docs/learning_proofs.md). The rule: the mean clears each bound by at least 5 times its standard deviation
 over 10 or more training seeds (x numeric paths); the cases' comments say which bounds do not meet it yet.
 """
 
@@ -77,7 +77,7 @@ class Case:
     prompts: str  # the name of a prompt tuple in refl_ddpo.toy_world.world
     eval_seeds: str  # the name of a seed tuple in refl_ddpo.toy_world.world
     min_gain: float
-    max_grey_drop: float | None  # None: not gated (a known reward hack; docs/learning_spread.md)
+    max_grey_drop: float | None  # None: not gated (a known reward hack; docs/record/learning_spread.md)
     max_dirty_rise: float | None
     max_ragged_rise: float | None
 
@@ -160,11 +160,11 @@ _SD_GREEN = {"model": "toy-sd", "prompts": "PG_HELDOUT_PROMPTS", "eval_seeds": "
 _SD3_CYAN = {"model": "toy-sd3", "prompts": "SD3_HELDOUT_PROMPTS", "eval_seeds": "PROOF_EVAL_SEEDS"}
 _SD3_GREEN = {"model": "toy-sd3", "prompts": "PG_HELDOUT_PROMPTS", "eval_seeds": "PROOF_EVAL_SEEDS"}
 
-# The bounds: docs/learning_spread.md gives, for each case, the mean and standard deviation of every quantity over
+# The bounds: docs/record/learning_spread.md gives, for each case, the mean and standard deviation of every quantity over
 # training seeds x numeric paths (10 or more distinct seeds), and how many of those standard deviations each bound lies
 # from the mean. The rule is 5; a gain bound sits at the 5-std point where that point is above 0, and the shape
 # bounds stay at 0.2 / 0.2 / 0.1 (larger would let a frame-filling or broken-up LoRA pass). Under the pinned path every
-# case clears every bound on seed 42, the tests' seed; docs/learning_spread.md says which bounds are under 5 today.
+# case clears every bound on seed 42, the tests' seed; docs/learning_proofs.md says which bounds are under 5 today.
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
@@ -212,7 +212,7 @@ CASES: dict[str, Case] = {
         ),
         # GRPO on toy-sd (DDIM log-prob step, the preset's toy_color_match + toy_clean), trained on the word green,
         # "a green triangle" x 64 seeds. Under the rule on its gain (2.9 std), grey drop (4.5) and ragged rise (0.8 std
-        # over 30 seeds: 7 of them shrink the shapes past the bound; seed 42 does not): docs/learning_spread.md
+        # over 30 seeds: 7 of them shrink the shapes past the bound; seed 42 does not): docs/learning_proofs.md
         Case(
             "grpo",
             "train_grpo.sh",
@@ -231,7 +231,7 @@ CASES: dict[str, Case] = {
         # magenta square in the batch that route loses reward (seed 9 +0.75). Over 30 seeds the gain (3.3 std) and
         # ragged rise (3.4) are still under the rule, and seed 19 gains +0.22, under the bound; seed 42 is not. A
         # proof judging the mean of 3 seeds would meet it, at 2 more runs than the stage's time holds
-        # (docs/learning_spread.md)
+        # (docs/record/learning_spread.md)
         Case(
             "ddpo_sd3",
             "train_ddpo.sh",
@@ -275,7 +275,7 @@ CASES: dict[str, Case] = {
         # cyan training prompts cyan about 3 times in 4, the reward has little left to teach, and over 14 seeds some
         # hardly learned the colour (NFT +0.57 +- 0.18, AWM +0.52 +- 0.19: 0.4 and 1.2 std). It draws the green ones
         # green 1 time in 8: every seed learns (NFT 1.000 on 10 seeds), but without the KL the triangle grows
-        # toward the training prompts' circle and square (grey drop +0.10 +- 0.03, 3.4 std). docs/learning_spread.md
+        # toward the training prompts' circle and square (grey drop +0.10 +- 0.03, 3.4 std). docs/record/learning_spread.md
         # DiffusionNFT: clean samples of the Euler sampler, the forward-process loss; over 12 seeds gain +0.68 +- 0.03
         # (7.0 std above the bound), grey drop +0.06 +- 0.02 (7.6)
         Case(

@@ -11,7 +11,7 @@ under that path too. Results go to OUT/results.jsonl as they come; a second `run
 there. `report` prints a markdown table per case and recipe (the flags of `--extra`), from one or several OUTs, and,
 for each gated quantity, its mean, standard deviation, the bound in tests/learning_cases.py and how many standard
 deviations the mean clears it by: the proofs want >= 5, over at least MIN_SEEDS distinct training seeds (on the proofs
-that fail, three seeds gave a standard deviation 1.5 to 8 times smaller than 11 or more: docs/learning_spread.md).
+that fail, three seeds gave a standard deviation 1.5 to 8 times smaller than 11 or more: docs/record/learning_spread.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ReFL on toy-sd, the others sit in files of their own so that pytest-xdist (--dis
 The weights are committed (refl_ddpo/toy_world/world/data, checked against SHA256SUMS), not trained at test time, so every
 machine starts from the same model; the CPU numeric path is pinned (conftest.py), so every x86-64 CPU computes the
 same bits; and each bound lies at least 5 standard deviations of its spread over training seeds x numeric paths from
-the measured mean (docs/learning_spread.md, `python tests/learning_spread.py`).
+the measured mean (docs/learning_proofs.md, `python tests/learning_spread.py`).
 """
 
 import time
