@@ -1,4 +1,4 @@
-"""The gradient noise scale N* of DiffusionNFT's first update (docs/trainers/nft_awm.md, "All 12 training prompts").
+"""The gradient noise scale N* of DiffusionNFT's first update (docs/record/trainers.md, "All 12 training prompts").
 
 Runs the trainer's own first epoch (sampling, rewards, group advantages), then takes one gradient of the NFT loss per
 sample over the LoRA (one random trained timestep, fresh noise, the weights equal to the old policy's) and prints

@@ -3,7 +3,7 @@ meta device, CUDA's autocast and attention kernels, setup, a warm-up run, the pe
 
     python -m benchmarks.qwen_memory --out benchmarks/results/qwen_image_memory_1024 --refl_steps 4 --refl_k 3
 
-(the committed results' command: see BENCHMARKS.md's Qwen-Image section for why 4 steps)
+(the committed results' command: see docs/benchmarks.md's Qwen-Image section for why 4 steps)
 
 One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps 40 steps,
 step --refl_k 35 with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, 1024 px (the pipeline's

@@ -17,6 +17,7 @@ from refl_ddpo.apps.compare_picture import header_lines
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.images import wrap_words
 from refl_ddpo.run.flags import parse_config
+from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
 
 DATA = Path(__file__).resolve().parent.parent / "refl_ddpo" / "data"
 
@@ -265,7 +266,7 @@ def test_bad_rewards_fail_before_loading(rewards, message, tmp_path, monkeypatch
     prompts.write_text("a cat\n")
     with pytest.raises(UserError, match=message):
         _cfg(
-            DATA / "toy_world" / "toy-sd",
+            TOY_WORLD_DIR / "toy-sd",
             prompts,
             tmp_path / "out",
             "--rewards",

@@ -20,15 +20,15 @@ from helpers import script_env, trainer_flags
 
 from refl_ddpo.apps.inference import run_inference
 from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
-from refl_ddpo.core.prompts import DATA_DIR
 from refl_ddpo.run import runs
 from refl_ddpo.run.flags import parse_config
 from refl_ddpo.run.launch import PREFLIGHT_ENV
+from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
 from refl_ddpo.trainers import ddpo, refl
 from refl_ddpo.trainers.refl import ReFLConfig
 
 REPO = Path(__file__).resolve().parent.parent
-TOY_SD = DATA_DIR / "toy_world" / "toy-sd"
+TOY_SD = TOY_WORLD_DIR / "toy-sd"
 
 
 def _env(**extra) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import DATA_DIR as PROMPTS_DIR
 from refl_ddpo.toy_world import files as toy_files
 from refl_ddpo.toy_world import world as tw
 
@@ -36,7 +37,7 @@ def test_palette_and_grammar():
     held = [tw.parse_prompt(p) for p in tw.HELDOUT_PROMPTS]
     assert sorted(c for c, _ in held) == sorted(tw.COLOURS)
     assert all(sum(s == shape for _, s in held) == 2 for shape in tw.SHAPES)
-    data = tw.DATA_DIR.parent
+    data = PROMPTS_DIR
     assert (data / "toy_world_train.txt").read_text().split("\n")[:12] == list(tw.TRAIN_PROMPTS)
     assert (data / "toy_world_heldout.txt").read_text().split("\n")[:6] == list(tw.HELDOUT_PROMPTS)
     assert (data / "toy_world_green.txt").read_text().split("\n")[:2] == list(tw.PG_TRAIN_PROMPTS)

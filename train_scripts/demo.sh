@@ -27,7 +27,7 @@ fi
 echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/toy_world/world/data, committed): a tiny Stable Diffusion"
 echo "   that draws one coloured shape on grey for 'a {colour} {shape}', right about 40 % of the time."
 # One CPU numeric path (AVX2 for ATen, oneDNN and MKL), as the learning tests: the same seed then computes the same bits,
-# and so the same numbers, on every x86-64 CPU (docs/learning_spread.md). Setting any of the three chooses another.
+# and so the same numbers, on every x86-64 CPU (docs/record/learning_spread.md). Setting any of the three chooses another.
 if [[ "$(uname -m)" == x86_64 && -z "${ATEN_CPU_CAPABILITY:-}${ONEDNN_MAX_CPU_ISA:-}${MKL_CBWR:-}" ]]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
 fi

@@ -88,7 +88,7 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     "toy_world_green": _builtin("toy_world_green"),
     "toy_world_cyan": _builtin("toy_world_cyan"),  # a cyan square / triangle (the toy-sd3 presets)
     # those two and a magenta square / circle, which toy-sd3 already draws right: a LoRA that turned every square
-    # cyan would lose their reward (DDPO's toy-sd3 proof; docs/learning_spread.md)
+    # cyan would lose their reward (DDPO's toy-sd3 proof; docs/record/learning_spread.md)
     "toy_world_cyan_anchored": _builtin("toy_world_cyan_anchored"),
 }
 

@@ -13,13 +13,13 @@
                       1-pixel border ring. 1 for a rendered image; blotches of other colours, a tinted background
                       and a colour on the border lower it; a blank grey image scores 1 too, so it is a term to add,
                       not a reward on its own. DESIGN's "background term" against the reward hacking of a colour
-                      reward: `--reward toy_classifier:1,toy_clean:0.2` (measured in the docs/toy_world.md).
+                      reward: `--reward toy_classifier:1,toy_clean:0.2` (measured: docs/record/toy_world.md).
     toy_palette_clean toy_clean with every palette colour allowed inside the frame, not only the prompt's: it does
                       not say which colour is right, so a shape of the wrong colour is as clean as one of the right
                       colour and only its anti-aliased edge costs. Beside a 0/1 colour reward (GRPO) toy_clean pays
                       a group whose shapes all have the wrong colour for shrinking them; this one does not. Tried as
                       GRPO's toy recipe, it kept the shapes but learned the colour slower and less steadily
-                      (docs/learning_spread.md).
+                      (docs/record/learning_spread.md).
     toy_color_clean   toy_color_match * (1 + toy_clean): the two summed where the colour is right, 0 where it is
                       wrong, so cleanliness counts only on a shape of the right colour. Beside the 0/1 colour reward,
                       plain toy_clean pays a wrong-coloured shape for shrinking (its pixels are dirty), and GRPO's

@@ -1,1 +1,8 @@
-"""The toy world: coloured shapes on grey, tiny models trained to draw them (committed in data/), and a judge."""
+"""The toy world: coloured shapes on grey, tiny models trained to draw them, and a judge (world.py); the committed
+weights checked against their SHA256SUMS (files.py). Importing the package loads no torch: presets read DATA_DIR."""
+
+from pathlib import Path
+
+DATA_DIR = (
+    Path(__file__).resolve().parent / "data"
+)  # the committed toy-sd, toy-sd3, classifier and SHA256SUMS

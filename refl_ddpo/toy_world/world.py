@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.toy_world import DATA_DIR
 
 SIZE = 32
 BACKGROUND = (128, 128, 128)
@@ -77,7 +78,6 @@ SHAPE_THRESHOLD = 40.0
 MIN_SHAPE_PIXELS = 8
 CLEAN_THRESHOLD = 60.0
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
 SD_DIRNAME = "toy-sd"
 SD3_DIRNAME = "toy-sd3"
 CLASSIFIER_NAME = "toy_classifier"
@@ -281,7 +281,7 @@ def save_classifier(model: ToyClassifier, folder: str | Path, channels: tuple[in
 
 EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1016))  # fixed seeds for before/after on the held-out prompts
 # the learning proofs judge on more seeds (tests/learning_cases.py): on one prompt, one standard error <= 0.063; on
-# the 6 held-out prompts, judged on 16 seeds, the same LoRAs' gains spread 1.6 times wider (docs/learning_spread.md)
+# the 6 held-out prompts, judged on 16 seeds, the same LoRAs' gains spread 1.6 times wider (docs/record/learning_spread.md)
 PROOF_EVAL_SEEDS: tuple[int, ...] = tuple(range(1000, 1064))
 
 

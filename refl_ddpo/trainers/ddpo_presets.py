@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refl_ddpo.core.prompts import DATA_DIR
-
-TOY_WORLD_DIR = DATA_DIR / "toy_world"
+from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
 
 # The toy world's 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, at epochs 0, 8 and 16:
 # 10 s per validation on a 2-core machine under a load of 9.

@@ -89,7 +89,7 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
     # MEASURED). On all 12 training prompts it does not learn in minutes (partner colours cancel). The colour
     # reward alone grew the shapes to fill the frame (grey 0.813 -> 0.39 on seed 42); with toy_clean beside it they
     # do not grow (grey drop 0.074 or less over 22 seeds), but 6 seeds of 22 shrink them (ragged up 0.1-0.2;
-    # docs/learning_spread.md).
+    # docs/record/learning_spread.md).
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
         "reward_model_dir": str(TOY_WORLD_DIR),

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.prompts import DATA_DIR
 from refl_ddpo.run.config import CommonConfig, field_, guidance_field
-
-TOY_WORLD_DIR = DATA_DIR / "toy_world"
+from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
 
 
 @dataclass(frozen=True)
