@@ -6,8 +6,8 @@ from typing import Any
 
 from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
 
-# The toy world's 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, at epochs 0, 8 and 16:
-# 10 s per validation on a 2-core machine under a load of 9.
+# The toy world's validation: its 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, every
+# 8 epochs.
 TOY_VALIDATION = {
     "validation_prompts_file": "toy_world_heldout",
     "validation_epochs": 8,
@@ -32,11 +32,8 @@ _COMPRESSIBILITY = {
     "per_prompt_stat_tracking_min_count": 16,
 }
 DDPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world.world): its committed model, the programmatic colour reward, and the colour word
-    # green alone (toy_world_green: "a green circle", "a green square"; "a green triangle" is held out). It learns in
-    # 3 CPU minutes (docs/toy_world.md: MEASURED); it also draws the partner word's prompts green. On all 12
-    # training prompts a policy gradient needs ~10^4 images here: partner colours' gradients cancel but for their
-    # difference. It trains the cross-attention keys / values on the first 4 of 6 steps, where the colour is decided.
+    # The toy world's DDPO recipe: toy-sd, the colour word green ("a green triangle" held out), the colour reward,
+    # LoRA on the cross-attention keys / values, the first 4 of 6 steps trained (docs/toy_world.md).
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
         "reward_model_dir": str(TOY_WORLD_DIR),
@@ -53,7 +50,7 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
         "train_skip_last_steps": 2,
         "train_clip_range": 0.2,
         "lora_target_modules": ["attn2.to_k", "attn2.to_v"],
-        "learning_rate": 2e-3,  # 3e-3 learned faster on 4 of 5 seeds but collapsed on one (dirty images)
+        "learning_rate": 2e-3,
         "per_prompt_stat_tracking": False,
         "num_epochs": 16,
         "save_freq": 8,
@@ -85,10 +82,8 @@ DDPO_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The same on toy-sd3 (flow matching), as GRPO's toy_world_sd3: the flow SDE step at noise level 0.7, LoRA on the
-# text stream's keys and values, the colour word cyan ("a cyan circle" held out), lr 3e-3. 16 epochs, twice GRPO's:
-# at 8 held-out accuracy varied from seed to seed (0.36 / 0.72), at 16 it rose on every seed measured, 0.234 ->
-# 0.81-1.00 over 6 seeds (docs/toy_world.md).
+# The same on toy-sd3 (flow matching; Flow-GRPO's SDE at noise level 0.7): the colour word cyan ("a cyan circle"
+# held out), LoRA on the text stream's keys / values, lr 3e-3, 16 epochs (docs/toy_world.md).
 DDPO_PRESETS["toy_world_sd3"] = {
     **DDPO_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),

@@ -84,12 +84,8 @@ class GRPOConfig(GroupConfig, DDPOConfig):
 
 
 GRPO_PRESETS: dict[str, dict[str, Any]] = {
-    # The toy world (refl_ddpo.toy_world.world), as DDPO's preset but in 8 groups of 8 with one x_T per group: the colour
-    # word green alone (toy_world_green), learned in 3 CPU minutes; "a green triangle" is held out (docs/toy_world.md:
-    # MEASURED). On all 12 training prompts it does not learn in minutes (partner colours cancel). The colour
-    # reward alone grew the shapes to fill the frame (grey 0.813 -> 0.39 on seed 42); with toy_clean beside it they
-    # do not grow (grey drop 0.074 or less over 22 seeds), but 6 seeds of 22 shrink them (ragged up 0.1-0.2;
-    # docs/record/learning_spread.md).
+    # The toy world's GRPO recipe: DDPO's on toy-sd in 8 groups of 8 sharing an x_T, the colour word green ("a green
+    # triangle" held out), toy_clean beside the colour reward against filling the frame (docs/toy_world.md).
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
         "reward_model_dir": str(TOY_WORLD_DIR),
@@ -155,16 +151,13 @@ GRPO_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# The same on toy-sd3 (flow matching): the flow SDE step at noise level 0.7 (Flow-GRPO's), LoRA on the text
-# stream's keys and values (add_k_proj / add_v_proj, the counterpart of SD 1.x's attn2.to_k / attn2.to_v), and the
-# colour word cyan (toy_world_cyan; "a cyan circle" held out): toy-sd3 draws the green prompts green 1 time in 8, so
-# most groups that share an x_T had all-equal rewards and green learned on 1 seed of 3. 8 epochs (2 CPU minutes) take
-# "a cyan circle" 0.234 -> 0.67-0.97 over 6 seeds; 16 epochs reach 0.98-1.00 (docs/toy_world.md).
+# The same on toy-sd3 (flow matching; Flow-GRPO's SDE at noise level 0.7): the colour word cyan ("a cyan circle"
+# held out), LoRA on the text stream's keys / values, 8 epochs (docs/toy_world.md).
 GRPO_PRESETS["toy_world_sd3"] = {
     **GRPO_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
     "prompt_fn": "toy_world_cyan",
-    "reward": "toy_color_match",  # as measured on toy-sd3 (toy_clean is toy-sd's fix; not measured here)
+    "reward": "toy_color_match",
     "num_epochs": 8,
     "sample_eta": 0.7,
     "lora_target_modules": ["add_k_proj", "add_v_proj"],

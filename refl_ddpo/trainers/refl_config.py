@@ -298,8 +298,8 @@ def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLCo
     return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
 
 
-# The toy world (refl_ddpo.toy_world.world): its committed model and classifier, the 12 training prompts; a recipe that
-# learns in a few CPU minutes. Held-out prompts (toy_world_heldout) are for evaluation.
+# The toy world's ReFL recipe: toy-sd, its classifier as the differentiable reward, the 12 training prompts, the
+# gradient step anywhere after the first 3 of 10 (docs/toy_world.md).
 REFL_PRESETS: dict[str, dict] = {
     "toy_world": {
         "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
@@ -317,19 +317,15 @@ REFL_PRESETS: dict[str, dict] = {
         "train_batch_size": 8,
         "max_train_steps": 160,
         "image_log_steps": 20,
-        # the 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, at steps 0, 80 and 160:
-        # 10 s per validation on a 2-core machine under a load of 9 (refl_ddpo.run.validation)
+        # the 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, every 80 steps
         "validation_prompts_file": "toy_world_heldout",
         "validation_steps": 80,
         "num_validation_images": 2,
         "validation_num_steps": 20,
     },
 }
-# The same world as SD3 (toy-sd3: an MMDiT trained by flow matching), trained on one colour word as the
-# policy-gradient presets are (toy_world_cyan; "a cyan circle" held out), 40 steps, LoRA on the text stream's keys
-# and values only (add_k_proj / add_v_proj, as GRPO's toy_world_sd3). On all 12 training prompts ReFL on toy-sd3
-# learns the combinations it sees or fills the frame; with LoRA on all joint-attention projections it gets the colour
-# right by breaking the shapes into squiggles (toy_world.judge's `ragged`; docs/toy_world.md).
+# The same on toy-sd3 (flow matching): the colour word cyan ("a cyan circle" held out), 40 steps, LoRA on the text
+# stream's keys / values only (docs/toy_world.md; with more targets it breaks the shapes: docs/record/toy_world.md).
 REFL_PRESETS["toy_world_sd3"] = {
     **REFL_PRESETS["toy_world"],
     "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
