@@ -58,9 +58,10 @@ import torch
 from benchmarks.cases import make_cases
 from benchmarks.config import BenchConfig
 from benchmarks.flops import run_flops_only
+from benchmarks.harness import Bench
 from benchmarks.measure import machine_info, measure
 from benchmarks.memory import run_memory_only
-from benchmarks.models import Bench, architectures, model_configs, parameter_counts, run_configs
+from benchmarks.models import architectures, model_configs, parameter_counts, run_configs
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
 from refl_ddpo.core.errors import cli_main

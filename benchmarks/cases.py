@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.config import BenchConfig
-from benchmarks.models import Bench
+from benchmarks.harness import Bench
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Case:
 def _text_encoder_bytes(family) -> int:
     """Device bytes of the family's text encoders' weights (each tensor a 512-byte block): what a trainer that kept
     them off the GPU would not hold."""
-    from benchmarks.memory import round_block
+    from benchmarks.meta import round_block
 
     encoders = [getattr(family.pipe, n, None) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")]
     tensors = [t for e in encoders if e is not None for t in (*e.parameters(), *e.buffers())]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cases import Case
-from benchmarks.models import Bench, set_checkpointing
+from benchmarks.harness import Bench, set_checkpointing
 
 GIB = 2**30
 

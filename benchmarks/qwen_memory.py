@@ -128,7 +128,7 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
 
 def _text_encoder_bytes(family) -> int:
     """Device bytes of the text encoder's weights (each tensor a 512-byte block)."""
-    from benchmarks.memory import round_block
+    from benchmarks.meta import round_block
 
     encoder = family.pipe.text_encoder
     return sum(round_block(t.numel() * t.element_size()) for t in (*encoder.parameters(), *encoder.buffers()))

@@ -183,8 +183,9 @@ def test_a_measured_case_leaves_none_of_its_models_alive(tmp_path):
     import weakref
 
     from benchmarks.cases import make_cases
+    from benchmarks.harness import Bench
     from benchmarks.measure import measure
-    from benchmarks.models import Bench, model_configs
+    from benchmarks.models import model_configs
 
     argv = ["--tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0", "--only", "flux_grpo_sample"]
     cfg = parse_config(BenchConfig, [*argv, "--ddpo_sample_batch_size", "1", "--ddpo_train_batch_size", "1"])
@@ -210,7 +211,7 @@ def test_a_measured_case_leaves_none_of_its_models_alive(tmp_path):
 def test_peak_memory_tracker_counts_blocks_views_and_frees():
     import torch
 
-    from benchmarks.memory import PeakMemory
+    from benchmarks.meta import PeakMemory
 
     with PeakMemory() as mem:
         a = torch.empty(1000, device="meta")  # 4000 bytes -> 8 blocks of 512
@@ -232,7 +233,7 @@ def test_cuda_behaviour_on_meta_autocast_and_fused_attention():
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.memory import PeakMemory, cuda_on_meta
+    from benchmarks.meta import PeakMemory, cuda_on_meta
 
     with cuda_on_meta(), PeakMemory() as mem:
         x = torch.randn(1, 32, 8, 8, device="meta")
@@ -265,7 +266,7 @@ def test_checkpoint_recomputation_behaves_as_cuda_on_meta(reentrant):
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    from benchmarks.memory import PeakMemory, cuda_on_meta
+    from benchmarks.meta import PeakMemory, cuda_on_meta
 
     def block(x, w):  # an fp32 trained weight on bf16 activations, then attention over 4096 tokens
         q = F.linear(x, w).unflatten(-1, (2, 64)).transpose(1, 2)
@@ -286,7 +287,8 @@ def test_checkpoint_recomputation_behaves_as_cuda_on_meta(reentrant):
 def test_memory_only_on_tiny_models(tmp_path):
     import torch
 
-    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.memory import run_memory_only
+    from benchmarks.meta import round_block
     from benchmarks.models import construct, model_configs
 
     argv = ["--memory_only", "--tiny", "--out", str(tmp_path), "--only", "refl", "--refl_modes", "lora"]
@@ -339,7 +341,8 @@ def test_memory_only_flux_cases_on_tiny_models(tmp_path):
     encoders' weights beside the peak and the derived peak without them."""
     import torch
 
-    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.memory import run_memory_only
+    from benchmarks.meta import round_block
     from benchmarks.models import architectures, construct, flux_configs
 
     argv = [
@@ -381,7 +384,7 @@ def test_fsdp_all_gathered_blocks_are_counted_and_freed_on_meta():
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from benchmarks.memory import PeakMemory, fake_ranks
+    from benchmarks.meta import PeakMemory, fake_ranks
 
     side, ranks = 1024, 8
     # rank 0's part of a Linear(1024, 1024): 1/8 of the fp32 weight, and its bias chunk in one 512-byte block
@@ -418,7 +421,8 @@ def test_memory_only_sharded_counts_one_rank_of_the_trained_network(tmp_path):
 
     import torch
 
-    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.memory import run_memory_only
+    from benchmarks.meta import round_block
     from benchmarks.models import construct, flux_configs
 
     def count(ranks: int) -> dict:
@@ -501,7 +505,8 @@ def test_memory_only_sharded_counts_the_text_encoders_sharded(tmp_path):
 
     import torch
 
-    from benchmarks.memory import round_block, run_memory_only
+    from benchmarks.memory import run_memory_only
+    from benchmarks.meta import round_block
     from benchmarks.models import construct, flux_configs
 
     def count(*extra: str) -> dict:

@@ -176,7 +176,7 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
     tiny_models, tmp_path, monkeypatch, request
 ):
     """The kit's prepare step (skeleton.prepare) on a full fine-tune of tiny FLUX.1 held on the host, counted with
-    the memory bench's tools: rank 0 of 2 fake ranks, the meta device as the GPU (benchmarks.memory.fake_ranks), its
+    the memory bench's tools: rank 0 of 2 fake ranks, the meta device as the GPU (benchmarks.meta.fake_ranks), its
     bytes counted (PeakMemory). fully_shard moves each block whole to the device and keeps the shard: the device
     peak stays under the whole fp32 network, which a reference to the unsharded parameters kept through prepare
     (run.params before skeleton.prepare let go of it) would hold there whole beside the shards."""
@@ -185,7 +185,7 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
     from diffusers import FluxTransformer2DModel
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
-    from benchmarks.memory import PeakMemory, fake_ranks, round_block
+    from benchmarks.meta import PeakMemory, fake_ranks, round_block
     from refl_ddpo.core.sharding import fsdp_plugin, hold_fsdp_state, local, release_fsdp_state
     from refl_ddpo.run.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
     from refl_ddpo.trainers.skeleton import Run, prepare

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.peer import EPOCH, convert, expected_work, report
+from benchmarks.peer import EPOCH, convert, expected_work
+from benchmarks.peer_report import report
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_SH = REPO / "benchmarks" / "peer.sh"

@@ -8,15 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.time_to_reward import (
-    CONFIGS,
-    TASKS,
-    mean_curve,
-    report,
-    summarise,
-    time_to,
-    tree_cpu_seconds,
-)
+from benchmarks.time_to_reward import CONFIGS, TASKS, summarise, tree_cpu_seconds
+from benchmarks.time_to_reward_report import mean_curve, report, time_to
 
 TARGET_CONFIG = TASKS["twelve"].target
 
