@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from refl_ddpo.algorithms.policy import ppo_clip_loss
+from refl_ddpo.errors import UserError
 from refl_ddpo.families import Cond, ModelFamily, cond_expand
 from refl_ddpo.rollouts import STEP_KEYS, shuffle_samples
 from refl_ddpo.zero import unwrap
@@ -95,7 +96,7 @@ class NonFiniteGradient(FloatingPointError):
         super().__init__(message)
         self.cause, self.updates = cause, updates
 
-    def error(self, output_dir: str, epoch: int, updated_before: bool):
+    def error(self, output_dir: str, epoch: int, updated_before: bool) -> UserError:
         """The run's one-line UserError, with the advice that fits the cause; `updated_before`: the weights were
         updated before this call (an earlier epoch or inner epoch, a resumed run)."""
         from refl_ddpo.training import nonfinite_step_error
@@ -121,7 +122,9 @@ def nonfinite_gradient(
     for values, t in zip(traced, timesteps, strict=True):
         bad = ~torch.isfinite(values)  # (B, len(TRACED))
         if bad.any():
-            sample, cause = (int(i) for i in bad.nonzero()[0])  # the first sample, its first non-finite value
+            # the earliest kind of value in TRACED's order of any sample, then the first sample with it
+            cause = int(bad.any(0).int().argmax())
+            sample = int(bad[:, cause].int().argmax())
             timestep = int(t[sample])
             step = int((schedule == timestep).int().argmax())
             where = f"at timestep {timestep} (sampler step {step + 1} of {len(schedule)})"
