@@ -68,10 +68,12 @@ def assert_lora_changes_stock_images(
     return pipe
 
 
-def ddpo_first_update(family, scheduler, params, uncond, prompts, resolution: int, **kw) -> tuple[dict, dict]:
+def ddpo_first_update(
+    family, scheduler, params, uncond, prompts, resolution: int, edit=None, **kw
+) -> tuple[dict, dict]:
     """DDPO on `family`: two sampled batches of 2 (jpeg_compressibility, `kw`: num_steps, guidance_scale, eta)
-    stacked with their advantages, then one PPO pass (clip range 1e-4, AdamW 1e-3, no mixed precision). Returns
-    (the stacked samples, the first PPO step's stats)."""
+    stacked with their advantages, `edit(samples)` (if given) run on them, then one PPO pass (clip range 1e-4, AdamW
+    1e-3, no mixed precision). Returns (the stacked samples, the first PPO step's stats)."""
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -95,6 +97,8 @@ def ddpo_first_update(family, scheduler, params, uncond, prompts, resolution: in
         **kw,
     )
     samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
+    if edit is not None:
+        edit(samples)
     AcceleratorState._reset_state()  # accelerate keeps its state per process: an earlier test's bf16 would leak in
     accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
     optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))

@@ -86,3 +86,26 @@ def test_log_prob_closed_form():
         dim=(1, 2, 3)
     )
     torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_with_variance_0_is_deterministic_with_log_prob_0_and_finite_gradient():
+    """With set_alpha_to_one (DDIM's default, which diffusers' test SDXL config gets) the last step goes to a_prev = 1:
+    s^2 = 0 exactly, x_prev = x0. Its log-prob and KL are 0 with a finite (0) gradient, where they were NaN (issue
+    #72); a stochastic step in the same batch keeps the bits it has when scored alone."""
+    from refl_ddpo.core.steps.ddim import ddim_step_kl, step_alphas
+
+    s = DDIMScheduler(**{**REF["scheduler_config"], "set_alpha_to_one": True})
+    s.set_timesteps(4)
+    t = torch.stack([s.timesteps[-1], s.timesteps[1]])  # (2,): the deterministic last step, a stochastic one
+    assert step_alphas(s, t)[2].tolist()[0] == 0.0 and step_alphas(s, t)[2][1] > 0
+    g = torch.Generator().manual_seed(0)
+    eps, x = torch.randn(2, 4, 8, 8, generator=g).requires_grad_(), torch.randn(2, 4, 8, 8, generator=g)
+    prev, lp = ddim_step_with_logprob(s, eps, t, x, eta=1.0, generator=torch.Generator().manual_seed(1))
+    _, lp_again = ddim_step_with_logprob(s, eps * 1.01, t, x, eta=1.0, prev_sample=prev)
+    lp_again.sum().backward()
+    assert lp.tolist()[0] == 0.0 and lp_again.tolist()[0] == 0.0 and torch.isfinite(lp_again).all()
+    assert torch.isfinite(eps.grad).all() and not eps.grad[0].any() and eps.grad[1].any()
+    _, alone = ddim_step_with_logprob(s, eps[1:] * 1.01, t[1:], x[1:], eta=1.0, prev_sample=prev[1:])
+    assert torch.equal(lp_again[1:], alone)
+    kl = ddim_step_kl(s, eps.detach(), eps.detach() * 0.9, t, eta=1.0)
+    assert kl[0] == 0 and kl[1] > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import trainer_flags
+from helpers import ddpo_first_update, trainer_flags
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import REWARDS
@@ -173,6 +173,63 @@ def test_ddpo_non_finite_rewards_are_an_error_by_default():
     assert check_rewards(cfg, torch.ones(3), epoch=0).all()
     with pytest.raises(UserError, match="4 non-finite reward"):
         check_rewards(cfg, torch.full((4,), float("nan")), epoch=0)
+
+
+# ---- DDPO / GRPO: a non-finite gradient names the non-finite value and where (issue #72) ----
+
+
+@pytest.mark.parametrize(
+    "broken_part, named",
+    [("stored", "the sampling pass's log-probability is nan"), ("lora", "the network's output is nan")],
+)
+def test_a_non_finite_ppo_gradient_names_the_value_its_timestep_and_a_fix_that_fits(
+    broken_part, named, tiny_models, tmp_path
+):
+    """A NaN in the sampling pass's log-probs (at sampler step 2) or in the LoRA (so the network's output) stops the
+    first PPO step with that value and its timestep named; before any update the advice is not a learning rate."""
+    from refl_ddpo.core.families import load_family
+    from refl_ddpo.core.lora import add_lora
+    from refl_ddpo.trainers.ppo import NonFiniteGradient
+
+    family = load_family(str(tiny_models / "stable-diffusion"))
+    scheduler = family.policy_scheduler()
+    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
+
+    def edit(samples):
+        if broken_part == "stored":
+            samples["log_probs"][:, 1] = float("nan")
+        else:
+            with torch.no_grad():
+                params[0].fill_(float("nan"))
+
+    kw = {"num_steps": 2, "guidance_scale": 5.0, "eta": 1.0}
+    with pytest.raises(NonFiniteGradient) as e:
+        ddpo_first_update(family, scheduler, params, family.empty_cond(), ["a cat"] * 4, RES, edit, **kw)
+    schedule = scheduler.timesteps.tolist()
+    step = 1 if broken_part == "stored" else int(str(e.value).split("(sampler step ")[1][0]) - 1
+    assert f"{named} at timestep {schedule[step]} (sampler step {step + 1} of 2)" in str(e.value), e.value
+    first = str(e.value.error(str(tmp_path), 1, updated_before=False))
+    later = str(e.value.error(str(tmp_path), 3, updated_before=True))
+    assert (
+        "the first optimizer step: the weights were never updated" in first and "learning_rate" not in first
+    )
+    assert "(epoch 3, an optimizer step)" in later and "lower --learning_rate" in later
+    fix = {"stored": "check the scheduler config", "lora": "check the model's weights"}[broken_part]
+    assert first.rsplit("): ", 1)[1].startswith(fix) and "no checkpoint was written" in first
+
+
+def test_a_non_finite_gradient_of_finite_values_blames_the_backward():
+    from refl_ddpo.trainers.ppo import TRACED, nonfinite_gradient
+
+    values = torch.zeros(2, len(TRACED))  # every traced value finite
+    e = nonfinite_gradient(
+        float("inf"), torch.tensor(0.5), [values], [torch.tensor([1, 1])], torch.tensor([1]), 0
+    )
+    assert e.cause is None and "the gradient norm is inf (PPO loss 0.5)" in str(e)
+    assert "finite, so the backward pass made it" in str(e)
+    assert str(e.error("unused-never-created", 1, False)).endswith(
+        "try --mixed_precision no, or check the model (the learning rate is not the cause)."
+    )
 
 
 # ---- no NaN weight is written, resumed or loaded for inference ----

@@ -34,7 +34,7 @@ all equally noisy (JPEG sizes within a few bytes of each other), and no policy g
 
     python -m refl_ddpo.testing.tiny OUT --toy_world
 
-also writes the toy world (refl_ddpo.toy_world.world: coloured shapes on grey, prompts "a {colour} {shape}"):
+also writes the toy world (refl_ddpo.toy_world.world.world: coloured shapes on grey, prompts "a {colour} {shape}"):
 OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect), OUT/toy-sd3/ (the same world
 as a tiny SD3: an MMDiT trained by flow matching, two CLIPs, no T5) and
 OUT/toy_classifier.{safetensors,json} (the toy_classifier reward's CNN), copied from the weights committed under
@@ -206,16 +206,51 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
     ("text_time": the pooled text and 6 time ids), a VAE with SDXL's scaling factor and force_upcast, a CLIPTextModel
     and a CLIPTextModelWithProjection (each with its tokenizer, built offline), SDXL base's Euler scheduler settings
     and force_zeros_for_empty_prompt. Native resolution 32 (16 x 16 latents)."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import EulerDiscreteScheduler
 
-    tokenizer = clip_tokenizer()
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        sample_size=16,
+    unet = _tiny_sdxl_unet(sample_size=16, layers_per_block=1)
+    vae = tiny_vae(
+        seed + 1,
+        4,
+        scaling_factor=0.13025,  # SDXL's
+        force_upcast=True,  # SDXL's: decoded in float32 when the VAE is float16
+    )
+    scheduler = EulerDiscreteScheduler.from_config({**SD_SCHEDULER_CONFIG, "timestep_spacing": "leading"})
+    return _save_sdxl(Path(out) / "tiny-sdxl", unet, vae, scheduler, seed)
+
+
+def write_tiny_sdxl_diffusers_config(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-sdxl-diffusers-config/: the tiny SDXL as diffusers' own SDXL pipeline tests build theirs
+    (tests/pipelines/stable_diffusion_xl/test_stable_diffusion_xl.py, get_dummy_components): the UNet of
+    `write_tiny_stable_diffusion_xl` with 2 layers per block and sample_size 32, a VAE of sample_size 128 and the
+    default scaling factor 0.18215, and an Euler scheduler whose config has no set_alpha_to_one (so a DDIM scheduler
+    made from it takes DDIM's default, true: its last step goes to a_prev = 1, deterministic; issue #72)."""
+    from diffusers import EulerDiscreteScheduler
+
+    torch.manual_seed(seed)
+    unet = _tiny_sdxl_unet(sample_size=32, layers_per_block=2)
+    # AutoencoderKL's defaults: scaling_factor 0.18215, force_upcast
+    vae = tiny_vae(seed + 1, 4, sample_size=128)
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        steps_offset=1,
+        beta_schedule="scaled_linear",
+        timestep_spacing="leading",
+    )
+    return _save_sdxl(Path(out) / "tiny-sdxl-diffusers-config", unet, vae, scheduler, seed)
+
+
+def _tiny_sdxl_unet(sample_size: int, layers_per_block: int):
+    """The tiny SDXL UNet (random, from torch's current seed): two blocks, the second with cross-attention."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=sample_size,
         in_channels=4,
         out_channels=4,
-        layers_per_block=1,
+        layers_per_block=layers_per_block,
         block_out_channels=(32, 64),
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -228,12 +263,15 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
         projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 time ids x 8 + the pooled projection (32)
         norm_num_groups=32,
     )
-    vae = tiny_vae(
-        seed + 1,
-        4,
-        scaling_factor=0.13025,  # SDXL's
-        force_upcast=True,  # SDXL's: decoded in float32 when the VAE is float16
-    )
+
+
+def _save_sdxl(folder: Path, unet, vae, scheduler, seed: int) -> Path:
+    """Save a StableDiffusionXLPipeline of these parts and two tiny CLIPs (drawn from seed + 2 and seed + 3, the
+    second with a projection of 32) with the offline tokenizer, force_zeros_for_empty_prompt, in `folder`."""
+    from diffusers import StableDiffusionXLPipeline
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    tokenizer = clip_tokenizer()
     torch.manual_seed(seed + 2)
     text_encoder = CLIPTextModel(tiny_clip_config(tokenizer))
     torch.manual_seed(seed + 3)
@@ -245,13 +283,12 @@ def write_tiny_stable_diffusion_xl(out: Path, seed: int = 0) -> Path:
         text_encoder_2=text_encoder_2,
         tokenizer=tokenizer,
         tokenizer_2=tokenizer,
-        scheduler=EulerDiscreteScheduler.from_config({**SD_SCHEDULER_CONFIG, "timestep_spacing": "leading"}),
+        scheduler=scheduler,
         force_zeros_for_empty_prompt=True,
         add_watermarker=False,
     )
-    sdxl_dir = Path(out) / "tiny-sdxl"
-    pipe.save_pretrained(sdxl_dir, safe_serialization=True)
-    return sdxl_dir
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
@@ -283,7 +320,7 @@ def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
         from refl_ddpo.testing.toy_build import build_toy_world
 
         return build_toy_world(out)
-    from refl_ddpo.toy_world import files as toy_files
+    from refl_ddpo.toy_world.world import files as toy_files
 
     return toy_files.write_toy_world(out)
 
@@ -321,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.toy_world or args.rebuild_toy_world:
         from refl_ddpo.core.errors import UserError
-        from refl_ddpo.toy_world import world as toy_world
+        from refl_ddpo.toy_world.world import world as toy_world
 
         try:
             sd = write_toy_world(out, rebuild=args.rebuild_toy_world)

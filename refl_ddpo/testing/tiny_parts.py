@@ -96,9 +96,9 @@ def t5_tokenizer():
     )
 
 
-def tiny_vae(seed: int, latent_channels: int, **extra):
-    """A tiny random AutoencoderKL (32 px in, two blocks of 32 and 64 channels) drawn from `seed`; `extra` holds
-    the family's own settings (scaling / shift factors, quant convs, force_upcast)."""
+def tiny_vae(seed: int, latent_channels: int, sample_size: int = 32, **extra):
+    """A tiny random AutoencoderKL (`sample_size` px in, two blocks of 32 and 64 channels) drawn from `seed`; `extra`
+    holds the family's own settings (scaling / shift factors, quant convs, force_upcast)."""
     import torch
     from diffusers import AutoencoderKL
 
@@ -111,7 +111,7 @@ def tiny_vae(seed: int, latent_channels: int, **extra):
         layers_per_block=1,
         down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
-        sample_size=32,
+        sample_size=sample_size,
         norm_num_groups=32,
         **extra,
     )

@@ -37,7 +37,7 @@ from refl_ddpo.core.errors import UserError, cli_main
 from refl_ddpo.run.training import seeded_generator, stream_seed
 from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, num_train_timesteps
 from refl_ddpo.trainers.epochs import EpochAlgorithm, EpochPlan, ImageSamplesHook, ScoredEpoch
-from refl_ddpo.trainers.ppo import train_on_samples
+from refl_ddpo.trainers.ppo import NonFiniteGradient, train_on_samples
 from refl_ddpo.trainers.rollouts import collect_rewards, sample_epoch, stack_samples
 from refl_ddpo.trainers.skeleton import Run, main_for, run_training
 
@@ -147,7 +147,6 @@ class DDPO(EpochAlgorithm):
 
     def train(self, run: Run, epoch: int, plan: EpochPlan, scored: ScoredEpoch) -> None:
         """`train_num_inner_epochs` passes of PPO over the epoch's samples, one bar tick per optimizer step."""
-        from refl_ddpo.run.training import nonfinite_step_error
 
         cfg = self.cfg
         samples = stack_samples(scored.batches, scored.advantages)
@@ -183,13 +182,10 @@ class DDPO(EpochAlgorithm):
                         skip_last_steps=0 if plan.window is not None else cfg.train_skip_last_steps,
                         on_step=step_done,
                     )
-                except FloatingPointError as e:
+                except NonFiniteGradient as e:
                     bar.close()
-                    raise nonfinite_step_error(
-                        cfg.output_dir,
-                        f"{e} in epoch {epoch + 1}",
-                        "lower --learning_rate, or check the reward",
-                    ) from None
+                    # self.global_step > 0: an earlier epoch or inner epoch, or the resumed run, updated the weights
+                    raise e.error(cfg.output_dir, epoch + 1, self.global_step > 0) from None
                 for info in steps:
                     run.accelerator.log(
                         {f"{self.name}/{k}": v for k, v in info.items()}

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from refl_ddpo.algorithms.policy import ppo_clip_loss
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families import Cond, ModelFamily, cond_expand
 from refl_ddpo.run.zero import unwrap
 from refl_ddpo.trainers.rollouts import STEP_KEYS, shuffle_samples
@@ -29,9 +30,10 @@ def ppo_step_loss(
     eta: float,
     clip_range: float,
     kl_weight: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """PPO-clip's loss at the j-th trained step of a micro-batch (plus `kl_weight` x the step's KL to `base`, the
-    unwrapped network with its LoRA switched off): (loss, metrics, log-probability (B,) under the current weights)."""
+    unwrapped network with its LoRA switched off): (loss, metrics, log-probability (B,) under the current weights,
+    the step's values that a non-finite gradient is traced to (B, len(TRACED)), detached)."""
     from refl_ddpo.core.lora import adapters_off
 
     x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]  # (B, C, h, w), (B,): one timestep per sample
@@ -41,13 +43,100 @@ def ppo_step_loss(
         scheduler, model_output, t, x_t, eta, prev_sample=batch["next_latents"][:, j]
     )
     loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range)
+    kl = torch.zeros_like(log_prob)
     if kl_weight > 0:
         with adapters_off(base):
             ref_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
-        kl = family.step_kl(scheduler, model_output, ref_output, t, eta).mean()
-        info["kl"] = kl.detach()
-        loss = loss + kl_weight * kl
-    return loss, info, log_prob
+        kl = family.step_kl(scheduler, model_output, ref_output, t, eta)  # (B,)
+        kl_mean = kl.mean()
+        info["kl"] = kl_mean.detach()
+        loss = loss + kl_weight * kl_mean
+    # in TRACED's order; the network's output as its largest |value| per sample (NaN or inf where any element is)
+    biggest = model_output.detach().float().abs().amax(dim=tuple(range(1, model_output.ndim)))
+    traced = [batch["advantages"], batch["log_probs"][:, j], biggest, log_prob.detach(), kl.detach()]
+    return loss, info, log_prob, torch.stack([v.float().to(log_prob.device) for v in traced], dim=1)
+
+
+# A non-finite log-probability of a finite network output: the step's Gaussian has no finite density there.
+NOT_THE_LEARNING_RATE = " (the learning rate is not the cause)"
+SCHEDULER_FIX = (
+    "check the scheduler config (the step's variance at that timestep) and --sample_eta"
+    + NOT_THE_LEARNING_RATE,
+    "lower --learning_rate, or check the scheduler config and --sample_eta",
+)
+# What a non-finite gradient norm is traced to, in the order the values arise in a PPO step: (name in the error, the
+# advice before any update, the advice after updates). A NaN before any update is not a learning rate to lower.
+TRACED = (
+    ("the advantage", "check the reward", "check the reward"),
+    ("the sampling pass's log-probability", *SCHEDULER_FIX),
+    (
+        "the network's output",
+        "check the model's weights and --mixed_precision" + NOT_THE_LEARNING_RATE,
+        "lower --learning_rate, or set --max_grad_norm",
+    ),
+    ("the log-probability", *SCHEDULER_FIX),
+    (
+        "the KL to the base model",
+        "check the model's weights" + NOT_THE_LEARNING_RATE,
+        "lower --learning_rate or --kl_weight",
+    ),
+)
+# every value above finite: the backward pass itself made the non-finite number
+BACKWARD_FIX = (
+    "try --mixed_precision no, or check the model" + NOT_THE_LEARNING_RATE,
+    "lower --learning_rate, or set --max_grad_norm",
+)
+
+
+class NonFiniteGradient(FloatingPointError):
+    """A non-finite gradient norm, traced: `cause` is the index in TRACED of the first non-finite value of the
+    optimizer step's forward passes (None: all were finite), `updates` the optimizer steps this call had taken."""
+
+    def __init__(self, message: str, cause: int | None, updates: int):
+        super().__init__(message)
+        self.cause, self.updates = cause, updates
+
+    def error(self, output_dir: str, epoch: int, updated_before: bool) -> UserError:
+        """The run's one-line UserError, with the advice that fits the cause; `updated_before`: the weights were
+        updated before this call (an earlier epoch or inner epoch, a resumed run)."""
+        from refl_ddpo.run.training import nonfinite_step_error
+
+        first = not updated_before and self.updates == 0
+        when = "the first optimizer step: the weights were never updated" if first else "an optimizer step"
+        advice = BACKWARD_FIX if self.cause is None else TRACED[self.cause][1:]
+        return nonfinite_step_error(output_dir, f"{self} (epoch {epoch}, {when})", advice[0 if first else 1])
+
+
+def nonfinite_gradient(
+    grad_norm: float,
+    loss: torch.Tensor,
+    traced: list[torch.Tensor],
+    timesteps: list[torch.Tensor],
+    schedule: torch.Tensor,
+    updates: int,
+) -> NonFiniteGradient:
+    """The error for a non-finite gradient norm: the first non-finite value of the optimizer step's micro-steps
+    (`traced`: (B, len(TRACED)) each, `timesteps`: (B,) each), its timestep and its place among the `schedule`'s
+    steps; or that every value was finite (the backward made it)."""
+    what = f"the gradient norm is {grad_norm} (PPO loss {float(loss.detach()):.4g})"
+    for values, t in zip(traced, timesteps, strict=True):
+        bad = ~torch.isfinite(values)  # (B, len(TRACED))
+        if bad.any():
+            # the earliest kind of value in TRACED's order of any sample, then the first sample with it
+            cause = int(bad.any(0).int().argmax())
+            sample = int(bad[:, cause].int().argmax())
+            timestep = int(t[sample])
+            step = int((schedule == timestep).int().argmax())
+            where = f"at timestep {timestep} (sampler step {step + 1} of {len(schedule)})"
+            return NonFiniteGradient(
+                f"{what}: {TRACED[cause][0]} is {float(values[sample, cause])} {where}", cause, updates
+            )
+    return NonFiniteGradient(
+        f"{what}: every advantage, log-probability and network output of the step was finite, so the backward "
+        "pass made it",
+        None,
+        updates,
+    )
 
 
 def count_ratios(
@@ -110,8 +199,8 @@ def train_on_samples(
     Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
     also handed to `on_step` as each step ends (a progress bar); besides `ratio` (the mean importance ratio) it holds
     `ratio_by_step/NN`, the mean ratio of the samples trained at sampler step NN (0 = the first), for each step the
-    optimizer step trained on. A non-finite gradient norm raises FloatingPointError before the update (on all
-    processes alike)."""
+    optimizer step trained on. A non-finite gradient norm raises NonFiniteGradient (a FloatingPointError) before
+    the update (on all processes alike), naming the first non-finite value of the step and its timestep."""
     schedule = family.set_timesteps(scheduler, num_steps, samples["latents"])
     schedule = schedule.to(samples["timesteps"].device)
     if not torch.isin(samples["timesteps"], schedule).all():
@@ -122,6 +211,7 @@ def train_on_samples(
     uncond = None if uncond is None else cond_expand(uncond, batch_size)
     base = unwrap(accelerator, network)
     results, acc = [], defaultdict(list)
+    traced, traced_t = [], []  # the optimizer step's micro-steps' ppo_step_loss values and timesteps
     # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
     step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)
     settings = (guidance_scale, eta, clip_range, kl_weight)
@@ -132,9 +222,11 @@ def train_on_samples(
         for j in range(num_train_steps):
             with accelerator.accumulate(network):
                 with accelerator.autocast():
-                    loss, info, log_prob = ppo_step_loss(
+                    loss, info, log_prob, values = ppo_step_loss(
                         family, scheduler, network, base, batch, j, cond, uncond, *settings
                     )
+                traced.append(values)
+                traced_t.append(batch["timesteps"][:, j])
                 info["loss"] = loss.detach()
                 for k, v in info.items():
                     acc[k].append(v)
@@ -146,10 +238,8 @@ def train_on_samples(
                     # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
                     grad_norm = float(accelerator.clip_grad_norm_(params, max_grad_norm or math.inf))
                     if not math.isfinite(grad_norm):
-                        raise FloatingPointError(
-                            f"the gradient norm is {grad_norm} (PPO loss {float(loss):.4g}, advantages in "
-                            f"[{float(batch['advantages'].min()):.3g}, {float(batch['advantages'].max()):.3g}])"
-                        )
+                        raise nonfinite_gradient(grad_norm, loss, traced, traced_t, schedule, len(results))
+                    traced, traced_t = [], []
                 optimizer.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:

@@ -12,6 +12,12 @@ With a_t = alphas_cumprod[t] and a_prev = alphas_cumprod[t_prev] (final_alpha_cu
     mu      = sqrt(a_prev) * x0 + sqrt(1 - a_prev - std^2) * eps
     x_prev  = mu + std * z                    (unless given)
     logp    = mean over non-batch dims of log N(x_prev; mu, std^2)
+
+A step to a_prev = 1 has s^2 = 0 at any eta: it is deterministic (x_prev = x0), with no density to score. That is
+the last step wherever final_alpha_cumprod is 1 (`set_alpha_to_one`, DDIM's default, which a scheduler config
+without the key gets: diffusers' own test SDXL; SD's and SDXL base's configs set it false). Such a step's logp is 0
+with no gradient, as `denoise`'s deterministic steps outside `sde_steps`, and its KL is 0: it contributes nothing to
+a policy gradient. Every other step computes exactly what it did before (the same values, bit for bit).
 """
 
 from __future__ import annotations
@@ -87,11 +93,16 @@ def ddim_step_with_logprob_and_x0(
         prev_sample = prev_sample_mean + std_dev_t * noise
 
     # Gaussian log-density of the (detached) next sample; gradient flows through the mean (and std).
+    # A deterministic step (std 0, see the module doc) divides by 1 instead, so that its log-density and gradient
+    # are finite before `where` puts 0 in its place (0 x inf in backward would be NaN); == 0 lets a NaN std through.
+    deterministic = std_dev_t == 0  # (B, 1, 1, 1) or []
+    std_safe = torch.where(deterministic, 1.0, std_dev_t)
     log_prob = (
-        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_dev_t**2)
-        - torch.log(std_dev_t)
+        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * std_safe**2)
+        - torch.log(std_safe)
         - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
     )
+    log_prob = torch.where(deterministic, 0.0, log_prob)
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))  # [B]
     return prev_sample.type(sample.dtype), log_prob, pred_original_sample
 
@@ -134,6 +145,8 @@ def ddim_step_kl(
     a_t, a_prev, s2 = step_alphas(scheduler, t, torch.float64)
     var = eta**2 * s2
     k = (1 - a_prev - var).sqrt() - (a_prev * (1 - a_t) / a_t).sqrt()
-    coef = (k**2 / (2 * var)).to(model_output.device, torch.float32, non_blocking=True)  # (B,)
+    # a deterministic step (var 0): KL 0, see the module doc
+    coef = torch.where(var == 0, 0.0, k**2 / (2 * var))
+    coef = coef.to(model_output.device, torch.float32, non_blocking=True)  # (B,)
     sq = ((model_output.float() - ref_model_output.float()) ** 2).mean(dim=tuple(range(1, model_output.ndim)))
     return coef * sq
