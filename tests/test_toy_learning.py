@@ -3,7 +3,7 @@ accuracy of fixed-seed images of HELD-OUT prompts (combinations never trained on
 ragged), and only the LoRA changes. The cases and their bounds are data (tests/learning_cases.py); this module has
 ReFL on toy-sd, the others sit in files of their own so that pytest-xdist (--dist loadfile) runs them side by side.
 
-The weights are committed (refl_ddpo/toy_world/world/data, checked against SHA256SUMS), not trained at test time, so every
+The weights are committed (refl_ddpo/toy_world/data, checked against SHA256SUMS), not trained at test time, so every
 machine starts from the same model; the CPU numeric path is pinned (conftest.py), so every x86-64 CPU computes the
 same bits; and each bound lies at least 5 standard deviations of its spread over training seeds x numeric paths from
 the measured mean (docs/learning_proofs.md, `python tests/learning_spread.py`).

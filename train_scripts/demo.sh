@@ -24,15 +24,15 @@ if [[ -f checkpoint/stable-diffusion-v1-4/model_index.json && -f checkpoint/Imag
   exit 0
 fi
 
-echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/toy_world/world/data, committed): a tiny Stable Diffusion"
+echo "== no weights in checkpoint/: the TOY WORLD (refl_ddpo/toy_world/data, committed): a tiny Stable Diffusion"
 echo "   that draws one coloured shape on grey for 'a {colour} {shape}', right about 40 % of the time."
 # One CPU numeric path (AVX2 for ATen, oneDNN and MKL), as the learning tests: the same seed then computes the same bits,
 # and so the same numbers, on every x86-64 CPU (docs/record/learning_spread.md). Setting any of the three chooses another.
 if [[ "$(uname -m)" == x86_64 && -z "${ATEN_CPU_CAPABILITY:-}${ONEDNN_MAX_CPU_ISA:-}${MKL_CBWR:-}" ]]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2
 fi
-TOY=refl_ddpo/toy_world/world/data
-HELD_OUT=refl_ddpo/toy_world/world/data_heldout.txt   # combinations never trained on
+TOY=refl_ddpo/toy_world/data
+HELD_OUT=refl_ddpo/data/toy_world_heldout.txt   # combinations never trained on
 
 echo "== ReFL (LoRA) on the toy classifier's reward, 12 training prompts"
 bash train_scripts/train_refl_lora.sh --preset toy_world --device cpu --output_dir "$OUT/refl_lora" --overwrite_output_dir
