@@ -18,6 +18,7 @@ from helpers import (
     ddpo_first_update,
     run_script,
     trainer_flags,
+    watch_training,
 )
 
 from refl_ddpo.core.families import cond_expand, family_class, load_family
@@ -335,13 +336,17 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 
 
 @pytest.mark.parametrize("flags, described", DRAFT_CASES)
-def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(
+    flags, described, tiny_models, tmp_path, capsys, monkeypatch
+):
     from refl_ddpo.trainers import refl
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / "draft"
     refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
     assert described in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
 
 
 def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
@@ -354,14 +359,16 @@ def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models,
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
-def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
+def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys, monkeypatch):
     import importlib
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     extra = {} if trainer == "ddpo" else {"group_size": 2}
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
     if trainer == "ddpo":
         assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
 
@@ -421,10 +428,11 @@ def test_resumed_grpo_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
 
 
 @pytest.mark.parametrize("trainer", ["refl", "grpo"])
-def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_models, tmp_path):
+def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_models, tmp_path, monkeypatch):
     """The schnell-like folder (no guidance embedding, no dynamic shifting) through reward backprop and GRPO."""
     import importlib
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     if trainer == "refl":
         flags = _refl_flags(tiny_models, out, max_train_steps=2)
@@ -432,6 +440,7 @@ def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_mo
         flags = _policy_flags(tiny_models, out, group_size=2)
     flags[flags.index("--pretrained_model") + 1] = str(tiny_models / SCHNELL)
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / SCHNELL), out, RES, part="transformer")
 
 
@@ -558,7 +567,9 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
     assert np.abs(ours - ref).max() <= 1.5 / 255
 
 
-def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, tmp_path, capsys):
+def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
     """Flow-GRPO-Fast's FLUX.1-dev preset, scaled down to the tiny FLUX.1-dev (one group of 2, JPEG size as
     reward): its window of 3 steps trains, and the LoRA on its targets (the feed-forward layers too) loads in the
     stock pipeline."""
@@ -587,6 +598,8 @@ def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, 
         device="cpu",
         report_to="none",
     )
+    watch = watch_training(monkeypatch)
     grpo.main(flags)
     assert "trained timesteps per sample: 3" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")

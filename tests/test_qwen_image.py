@@ -15,6 +15,7 @@ from helpers import (
     ddpo_first_update,
     run_script,
     trainer_flags,
+    watch_training,
 )
 
 from refl_ddpo.core.families import cond_cat, family_class, load_family
@@ -295,13 +296,17 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 
 
 @pytest.mark.parametrize("flags, described", DRAFT_CASES)
-def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(
+    flags, described, tiny_models, tmp_path, capsys, monkeypatch
+):
     from refl_ddpo.trainers import refl
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / "draft"
     refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
     assert described in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
 
 
 def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
@@ -312,22 +317,24 @@ def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models,
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
-def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
+def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys, monkeypatch):
     """DDPO, DiffusionNFT and AWM (the prompts of simple_animals differ in length: the epoch's batches are
     concatenated padded)."""
     import importlib
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     extra = {} if trainer == "ddpo" else {"group_size": 2}
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
     if trainer == "ddpo":
         assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
 
 
 def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_window(
-    tiny_models, tmp_path, capsys
+    tiny_models, tmp_path, capsys, monkeypatch
 ):
     """The preset as data (flow_grpo's pickscore_qwenimage): its numbers, and a run of it on the tiny Qwen-Image
     (smaller batches, one epoch, CPU precision) that trains a 2-step SDE window starting in steps 0-4 into a LoRA the
@@ -361,8 +368,10 @@ def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_wi
         report_to="none",
         **small,
     )
+    watch = watch_training(monkeypatch)
     grpo.main(flags)
     assert "epoch 1/1" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
 
 

@@ -14,6 +14,7 @@ from helpers import (
     ddpo_first_update,
     run_script,
     trainer_flags,
+    watch_training,
 )
 
 from refl_ddpo.core.families import family_class, load_family
@@ -285,9 +286,12 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
 
 
 @pytest.mark.parametrize("flags, described", DRAFT_CASES)
-def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
+def test_draft_k_alignprop_and_draft_lv_run_two_steps(
+    flags, described, tiny_models, tmp_path, capsys, monkeypatch
+):
     from refl_ddpo.trainers import refl
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / "draft"
     argv = trainer_flags(
         tiny_models,
@@ -306,6 +310,7 @@ def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_mod
     refl.main(argv)
     assert described in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
 
 
 def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tiny_sdxl, tmp_path):
@@ -318,13 +323,15 @@ def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models,
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
-def test_trainer_runs_two_epochs(trainer, tiny_models, tiny_sdxl, tmp_path, capsys):
+def test_trainer_runs_two_epochs(trainer, tiny_models, tiny_sdxl, tmp_path, capsys, monkeypatch):
     import importlib
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     extra = {} if trainer == "ddpo" else {"group_size": 2}
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    watch.assert_lora_moved_and_base_not(out)
     if trainer == "ddpo":
         assert_lora_changes_stock_images(_stock(tiny_sdxl), out, RES, part="unet")
