@@ -68,6 +68,82 @@ def assert_lora_changes_stock_images(
     return pipe
 
 
+def base_weights(family) -> dict:
+    """Every weight of the family's pipeline that is not a LoRA tensor (the network's, the VAE's, the text
+    encoders'), by component and name."""
+    import torch
+
+    return {
+        f"{part}.{name}": p
+        for part, module in family.pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+        for name, p in module.named_parameters()
+        if "lora_" not in name
+    }
+
+
+class TrainingWatch:
+    """What `watch_training` saw of the trainer runs in this process, one record per run (per load of a trainable
+    family): the family, its LoRA's tensors at the start (peft's names, as `read_lora_state` reads a saved LoRA), a
+    copy of every base weight at the start, and the names of the LoRA tensors that got a non-zero gradient."""
+
+    def __init__(self):
+        self.runs: list[dict] = []
+
+    def assert_lora_moved_and_base_not(self, out: Path, run: int = -1) -> None:
+        """Run `run` (default: the last) trained its LoRA and nothing else: some LoRA tensor got a non-zero gradient,
+        the LoRA saved in `out` has the start's tensors and differs from the start, so does the LoRA in memory, and
+        every base weight of the pipeline is bit-identical to the start."""
+        import torch
+        from peft.utils import get_peft_model_state_dict
+
+        from refl_ddpo.core.lora import read_lora_state
+
+        seen = self.runs[run]
+        network, start = seen["family"].network, seen["lora"]
+        assert seen["graded"], "no LoRA tensor got a non-zero gradient"
+        saved = read_lora_state(network, out)
+        assert saved.keys() == start.keys(), sorted(saved.keys() ^ start.keys())[:3]
+        assert any(not torch.equal(saved[k], start[k]) for k in start), (
+            f"the LoRA saved in {out} is its start"
+        )
+        now = get_peft_model_state_dict(network)
+        assert any(not torch.equal(now[k].float(), start[k]) for k in start), (
+            "the LoRA in memory is its start"
+        )
+        moved = [n for n, p in base_weights(seen["family"]).items() if not torch.equal(p, seen["base"][n])]
+        assert seen["base"] and not moved, f"base weights moved: {moved[:3]}"
+
+
+def watch_training(monkeypatch) -> TrainingWatch:
+    """Watch every trainer run in this process (`refl_ddpo.trainers.NAME.main(flags)`): right after its family is
+    loaded (run.training.load_trainable_family, which the trainers look up when they run), keep its LoRA's and its
+    base weights' starting values and hook the LoRA's tensors to note which get a non-zero gradient. Then
+    `watch.assert_lora_moved_and_base_not(output_dir)`."""
+    from peft.utils import get_peft_model_state_dict
+
+    from refl_ddpo.run import training
+
+    watch = TrainingWatch()
+    load = training.load_trainable_family
+
+    def watched(*args, **kwargs):
+        family, params, dtype = load(*args, **kwargs)
+        network = family.network
+        assert getattr(network, "peft_config", None), "watch_training checks a LoRA run (not --no-use_lora)"
+        seen = {"family": family, "graded": set()}
+        seen["lora"] = {k: v.detach().float().clone() for k, v in get_peft_model_state_dict(network).items()}
+        seen["base"] = {n: p.detach().clone() for n, p in base_weights(family).items()}
+        for name, p in network.named_parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g, name=name: seen["graded"].add(name) if g.abs().sum() > 0 else None)
+        watch.runs.append(seen)
+        return family, params, dtype
+
+    monkeypatch.setattr(training, "load_trainable_family", watched)
+    return watch
+
+
 def ddpo_first_update(
     family, scheduler, params, uncond, prompts, resolution: int, edit=None, **kw
 ) -> tuple[dict, dict]:

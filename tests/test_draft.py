@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import trainer_flags
+from helpers import trainer_flags, watch_training
 
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, parse_backprop_steps
 from refl_ddpo.core.families import load_family
@@ -282,11 +282,14 @@ def _args(tiny_models, out: Path, *extra: str) -> list[str]:
         (["--backprop_steps", "2", "--kl_weight", "0.1", "--report_to", "tensorboard"], "DRaFT-2"),
     ],
 )
-def test_trainer_runs_alignprop_draft_lv_and_draft_with_kl(tiny_models, tmp_path, capsys, flags, says):
+def test_trainer_runs_alignprop_draft_lv_and_draft_with_kl(
+    tiny_models, tmp_path, capsys, monkeypatch, flags, says
+):
     from safetensors.torch import load_file
 
     from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / "out"
     refl.main(_args(tiny_models, out, *flags))
     printed = capsys.readouterr().out
@@ -301,6 +304,7 @@ def test_trainer_runs_alignprop_draft_lv_and_draft_with_kl(tiny_models, tmp_path
         assert len(kl) == 2 and all(v >= 0 for v in kl) and kl[-1] > 0, kl
     lora = load_file(str(out / LORA_WEIGHTS_NAME))
     assert lora and all(torch.isfinite(v).all() for v in lora.values())
+    watch.assert_lora_moved_and_base_not(out)
 
 
 @pytest.mark.parametrize(

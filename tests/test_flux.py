@@ -1,8 +1,9 @@
-"""The FLUX.1 family on the tiny random FLUX folders (dev-like with the guidance embedding, schnell-like without):
-loading by model_index.json, prompt encoding and the loop vs the stock FluxPipeline (embedded guidance, true CFG,
-the resolution-dependent shift), packing at the network call, the reward gradient, every trainer for two steps,
-ReFL / GRPO / DDPO LoRAs in the stock `load_lora_weights`, the card and validation naming the family, and a resumed
-ReFL run equal to the uninterrupted one."""
+"""What only the FLUX.1 family has, on the tiny random FLUX folders (dev-like with the guidance embedding, schnell-like
+without): prompt encoding vs the stock FluxPipeline's, packing and position ids at the network call, the embedded
+guidance, true CFG and the resolution-dependent shift, the loop in bfloat16, the unset guidance flags resolved to the
+pipeline's 3.5, resumed ReFL and GRPO runs equal to the uninterrupted ones, schnell and the Flow-GRPO-Fast preset
+trained. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA in the stock
+pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in tests/test_family_conformance.py."""
 
 import re
 import shutil
@@ -12,15 +13,12 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 from helpers import (
-    DRAFT_CASES,
     assert_lora_changes_stock_images,
-    assert_lora_moves_the_scores,
-    ddpo_first_update,
-    run_script,
     trainer_flags,
+    watch_training,
 )
 
-from refl_ddpo.core.families import cond_expand, family_class, load_family
+from refl_ddpo.core.families import cond_expand, load_family
 from refl_ddpo.core.families.flux import Flux
 from refl_ddpo.core.sampling import denoise
 
@@ -47,12 +45,11 @@ def _generators():
     return [torch.Generator().manual_seed(s) for s in SEEDS]
 
 
-def test_load_family_picks_flux_from_model_index(tiny_models):
+def test_flux_loads_dev_with_the_guidance_embedding_and_schnell_without(tiny_models):
+    """Beside what every family is checked for on loading (tests/test_family_conformance.py)."""
     family = load_family(str(tiny_models / DEV))
-    assert isinstance(family, Flux) and family_class("FluxPipeline") is Flux
     assert family.network.config.guidance_embeds and family.vae.config.latent_channels == 16
     assert family.native_resolution == 128 * family.vae_scale_factor  # the pipeline's default height
-    assert not any(p.requires_grad for p in family.network.parameters())
     assert not load_family(str(tiny_models / SCHNELL)).network.config.guidance_embeds
 
 
@@ -145,15 +142,10 @@ def _stock_images(pipe, guidance_scale, steps=4, resolution=RES, **kw):
     ).images
 
 
-@pytest.mark.parametrize("name, guidance_scale", [(DEV, 3.5), (DEV, 1.0), (SCHNELL, 0.0)])
-def test_loop_reproduces_stock_pipeline(stock, name, guidance_scale, record_property):
-    family = Flux(stock[name])
-    ours, timesteps = _images(family, guidance_scale)
-    ref = _stock_images(stock[name], guidance_scale)
-    assert ours.shape == ref.shape == (2, 3, RES, RES)
-    diff = (ours - ref).abs().max().item()
-    record_property("max_grey_levels", diff * 255)
-    assert diff <= 1 / 255
+@pytest.mark.parametrize("name", [DEV, SCHNELL])
+def test_the_schedule_is_shifted_on_dev_and_plain_on_schnell(stock, name):
+    """The loop's timesteps (its images equal the stock pipeline's: tests/test_family_conformance.py)."""
+    _, timesteps = _images(Flux(stock[name]), 3.5 if name == DEV else 0.0)
     if name == SCHNELL:  # no dynamic shifting, shift 1: the plain linspace(1, 1/T, T) x 1000
         assert timesteps.tolist() == [1000.0, 750.0, 500.0, 250.0]
     else:  # shifted by mu(64 image tokens) = 0.5 - (1.15 - 0.5) / (4096 - 256) * 192
@@ -200,61 +192,7 @@ def test_true_cfg_is_off_by_default_and_equals_the_pipelines_when_on(stock):
     assert (ours - ref).abs().max().item() <= 1 / 255 and (ours - plain).abs().max() > 1e-3
 
 
-def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
-    """ReFL's path (no grad to step k, one step with grad, predicted x0, VAE decode) on FLUX's default targets,
-    the single blocks' projections included."""
-    from refl_ddpo.core.lora import add_lora
-
-    family = load_family(str(tiny_models / DEV))
-    network = family.network
-    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
-    names = [n for n, _ in network.named_parameters() if "lora_A" in n]
-    for part in (
-        "single_transformer_blocks.0.proj_mlp",
-        "single_transformer_blocks.0.attn.to_q",
-        "to_add_out",
-    ):
-        assert any(part in n for n in names), part
-    base_before = {n: p.detach().clone() for n, p in network.named_parameters() if "lora_" not in n}
-    cond, _ = family.encode_prompts(PROMPTS, with_negative=False)
-    noise = family.initial_noise(2, RES, _generators(), torch.float32)
-    out = denoise(
-        family,
-        family.scheduler("FlowMatchEulerDiscreteScheduler"),
-        cond,
-        None,
-        noise,
-        4,
-        3.5,
-        grad_steps={2},
-        stop_at=2,
-    )
-    family.decode(out.pred_original_sample).mean().backward()
-    for n, p in network.named_parameters():
-        if "lora_" in n:
-            assert p.grad is not None and p.grad.abs().sum() > 0, n
-    torch.optim.AdamW(params, lr=1e-2).step()
-    assert all(torch.equal(base_before[n], p) for n, p in network.named_parameters() if "lora_" not in n)
-
-
-def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
-    """DDPO's sample buffers carry FLUX's conditioning (T5 (N, 512, 64), pooled (N, 32)) and its (B, 16, h, w)
-    latents through stacking, shuffling and slicing; the first PPO step recomputes the flow SDE step's log-probs
-    (dev's embedded guidance 3.5): approx KL 0, nothing clipped."""
-    from refl_ddpo.core.lora import add_lora
-
-    torch.manual_seed(0)
-    family = load_family(str(tiny_models / DEV))
-    scheduler = family.policy_scheduler()
-    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
-    kw = {"num_steps": 3, "guidance_scale": 3.5, "eta": 0.7}
-    samples, first = ddpo_first_update(family, scheduler, params, family.empty_cond(), PROMPTS * 4, RES, **kw)
-    assert samples["prompt_embeds"].shape == (4, 512, 64) and samples["pooled_prompt_embeds"].shape == (4, 32)
-    assert samples["next_latents"].shape == (4, 3, 16, 16, 16)  # (N, S, C, h, w): unpacked, as SD3's
-    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
-
-
-# ---- the trainers, two steps each ----
+# ---- the trainers (every trainer for two steps: tests/test_family_conformance.py) ----
 
 
 def _policy_flags(tiny_models, out: Path, *extra: str, num_epochs: int = 2, **flags) -> list[str]:
@@ -296,74 +234,6 @@ def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
         report_to="none",
         **flags,
     )
-
-
-def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_flux(
-    tiny_models, tmp_path, capsys
-):
-    """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's images;
-    the run, the validation files and the model card name the family."""
-    from refl_ddpo.run.model_card import CARD_NAME
-    from refl_ddpo.run.validation import validation_files
-    from refl_ddpo.trainers import refl
-
-    prompts = tmp_path / "validation.txt"
-    prompts.write_text("a photo of a cat\n")
-    out = tmp_path / "refl"
-    refl.main(
-        _refl_flags(
-            tiny_models,
-            out,
-            max_train_steps=2,
-            kl_weight=1,
-            validation_prompts_file=prompts,
-            num_validation_images=1,
-            validation_num_steps=3,
-            validation_guidance_scale=3.5,
-        )
-    )
-    assert "model family: flux" in capsys.readouterr().out
-    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
-    records = validation_files(out)
-    assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"flux"}
-    card = (out / CARD_NAME).read_text()
-    assert "| model family | FLUX.1" in card and "- flux" in card
-
-    # before / after inference with its scores, and the scored comparison, on this LoRA
-    extra = ["--resolution", str(RES), "--guidance_scale", "3.5"]
-    assert_lora_moves_the_scores(tiny_models, tiny_models / DEV, out, prompts, tmp_path, *extra)
-
-
-@pytest.mark.parametrize("flags, described", DRAFT_CASES)
-def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
-    from refl_ddpo.trainers import refl
-
-    out = tmp_path / "draft"
-    refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
-    assert described in capsys.readouterr().out
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-
-
-def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
-
-    out = tmp_path / "grpo"
-    flags = _policy_flags(tiny_models, out, group_size=2, beta="0.04")
-    r = run_script("train_grpo.sh", flags)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
-
-
-@pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
-def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
-    import importlib
-
-    out = tmp_path / trainer
-    extra = {} if trainer == "ddpo" else {"group_size": 2}
-    importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
-    assert "epoch 2/2" in capsys.readouterr().out
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-    if trainer == "ddpo":
-        assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")
 
 
 def test_resumed_refl_run_equals_the_uninterrupted_one(tiny_models, tmp_path, capsys):
@@ -421,10 +291,11 @@ def test_resumed_grpo_run_equals_the_uninterrupted_one(tiny_models, tmp_path, ca
 
 
 @pytest.mark.parametrize("trainer", ["refl", "grpo"])
-def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_models, tmp_path):
+def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_models, tmp_path, monkeypatch):
     """The schnell-like folder (no guidance embedding, no dynamic shifting) through reward backprop and GRPO."""
     import importlib
 
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     if trainer == "refl":
         flags = _refl_flags(tiny_models, out, max_train_steps=2)
@@ -432,6 +303,7 @@ def test_schnell_trains_a_lora_that_loads_in_its_stock_pipeline(trainer, tiny_mo
         flags = _policy_flags(tiny_models, out, group_size=2)
     flags[flags.index("--pretrained_model") + 1] = str(tiny_models / SCHNELL)
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / SCHNELL), out, RES, part="transformer")
 
 
@@ -558,7 +430,9 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
     assert np.abs(ours - ref).max() <= 1.5 / 255
 
 
-def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, tmp_path, capsys):
+def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
     """Flow-GRPO-Fast's FLUX.1-dev preset, scaled down to the tiny FLUX.1-dev (one group of 2, JPEG size as
     reward): its window of 3 steps trains, and the LoRA on its targets (the feed-forward layers too) loads in the
     stock pipeline."""
@@ -587,6 +461,8 @@ def test_flow_grpo_fast_preset_trains_its_lora_targets_in_a_window(tiny_models, 
         device="cpu",
         report_to="none",
     )
+    watch = watch_training(monkeypatch)
     grpo.main(flags)
     assert "trained timesteps per sample: 3" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / DEV), out, RES, part="transformer")

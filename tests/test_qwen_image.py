@@ -1,7 +1,9 @@
-"""The Qwen-Image family on the tiny random Qwen-Image folder: loading by model_index.json, prompt encoding, noise
-and the loop vs the stock QwenImagePipeline (true CFG with its norm rescale, the resolution-dependent shift, the VAE's
-latent normalisation), conditionings of unequal text lengths side by side, the reward gradient, every trainer for two
-steps, ReFL / GRPO / DDPO LoRAs in the stock `load_lora_weights`, the card and validation naming the family."""
+"""What only the Qwen-Image family has, on the tiny random Qwen-Image folder: prompt encoding (the template, the
+mask) vs the stock QwenImagePipeline's, noise and packing, the schedule's shift_terminal, true CFG with its norm
+rescale, the loop in bfloat16, conditionings of unequal text lengths side by side, the Flow-GRPO preset, the VAE's
+missing gradient checkpointing refused. The checks every family passes (the loop vs the stock pipeline, the reward
+gradient, the LoRA in the stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in
+tests/test_family_conformance.py."""
 
 from pathlib import Path
 
@@ -9,15 +11,12 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 from helpers import (
-    DRAFT_CASES,
     assert_lora_changes_stock_images,
-    assert_lora_moves_the_scores,
-    ddpo_first_update,
-    run_script,
     trainer_flags,
+    watch_training,
 )
 
-from refl_ddpo.core.families import cond_cat, family_class, load_family
+from refl_ddpo.core.families import cond_cat, load_family
 from refl_ddpo.core.families.qwen_image import QwenImage
 from refl_ddpo.core.sampling import denoise
 
@@ -44,13 +43,12 @@ def _generators():
     return [torch.Generator().manual_seed(s) for s in SEEDS]
 
 
-def test_load_family_picks_qwen_image_from_model_index(tiny_models):
+def test_qwen_image_loads_at_the_pipelines_default_size_and_refuses_drop_t5(tiny_models):
+    """Beside what every family is checked for on loading (tests/test_family_conformance.py)."""
     from refl_ddpo.core.errors import UserError
 
     family = load_family(str(tiny_models / MODEL))
-    assert isinstance(family, QwenImage) and family_class("QwenImagePipeline") is QwenImage
     assert family.native_resolution == 128 * family.vae_scale_factor  # the pipeline's default height
-    assert not any(p.requires_grad for p in family.network.parameters())
     with pytest.raises(UserError, match="has no T5"):
         load_family(str(tiny_models / MODEL), drop_t5=True)
 
@@ -98,25 +96,13 @@ def _images(family, guidance_scale, steps=4, resolution=RES):
 
 
 @pytest.mark.parametrize("guidance_scale, resolution", [(1.0, RES), (4.0, RES), (4.0, 48)])
-def test_loop_reproduces_stock_pipeline(stock, guidance_scale, resolution, record_property):
-    """No CFG, and true CFG 4 against the empty prompt (the stock pipeline's negative_prompt=""), at 32 px and at
-    48 px (another image token count: another shift mu)."""
+def test_the_schedule_ends_at_shift_terminal_and_true_cfg_changes_the_image(
+    stock, guidance_scale, resolution
+):
+    """The loop's timesteps and CFG's effect (its images equal the stock pipeline's, no CFG and true CFG 4 against
+    the empty prompt at 32 and 48 px: tests/test_family_conformance.py)."""
     family = QwenImage(stock)
     ours, timesteps = _images(family, guidance_scale, resolution=resolution)
-    cfg = {"negative_prompt": "", "true_cfg_scale": guidance_scale} if guidance_scale > 1 else {}
-    ref = stock(
-        PROMPTS,
-        num_inference_steps=4,
-        generator=_generators(),
-        height=resolution,
-        width=resolution,
-        output_type="pt",
-        **cfg,
-    ).images
-    assert ours.shape == ref.shape == (2, 3, resolution, resolution)
-    diff = (ours - ref).abs().max().item()
-    record_property("max_grey_levels", diff * 255)
-    assert diff <= 1 / 255
     assert timesteps[-1].item() == pytest.approx(20.0)  # Qwen-Image's shift_terminal 0.02
     if guidance_scale > 1:  # CFG changes the image
         assert (ours - _images(family, 1.0, resolution=resolution)[0]).abs().max() > 1e-3
@@ -169,74 +155,7 @@ def test_conditionings_of_unequal_lengths_concatenate_padded_and_predict_the_sam
     torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=1e-5)
 
 
-def test_reward_gradient_reaches_the_lora_and_no_base_weight(tiny_models):
-    """ReFL's path (no grad to step k, one step with true CFG and grad, predicted x0, VAE decode) on Qwen-Image's
-    default targets, both streams' MLPs included."""
-    from refl_ddpo.core.lora import add_lora
-
-    family = load_family(str(tiny_models / MODEL))
-    network = family.network
-    params = add_lora(network, 4, 4, family.lora_target_modules, init="random")
-    names = [n for n, _ in network.named_parameters() if "lora_A" in n]
-    for part in ("img_mlp.net.0.proj", "txt_mlp.net.2", "attn.add_q_proj", "attn.to_out.0"):
-        assert any(part in n for n in names), part
-    base_before = {n: p.detach().clone() for n, p in network.named_parameters() if "lora_" not in n}
-    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
-    noise = family.initial_noise(2, RES, _generators(), torch.float32)
-    scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
-    out = denoise(family, scheduler, cond, uncond, noise, 4, 4.0, grad_steps={2}, stop_at=2)
-    family.decode(out.pred_original_sample).mean().backward()
-    # the last block's text-stream output is discarded (only the image tokens reach proj_out): its text queries,
-    # text output projection and text MLP get no gradient; every other LoRA tensor does
-    last = f"transformer_blocks.{len(network.transformer_blocks) - 1}."
-    dead = [f"{last}attn.add_q_proj", f"{last}attn.to_add_out", f"{last}txt_mlp"]
-    for n, p in network.named_parameters():
-        if "lora_" in n:
-            reached = p.grad is not None and p.grad.abs().sum() > 0
-            assert reached != any(n.startswith(d) for d in dead), n
-    torch.optim.AdamW(params, lr=1e-2).step()
-    assert all(torch.equal(base_before[n], p) for n, p in network.named_parameters() if "lora_" not in n)
-
-
-def test_ddpo_first_update_is_on_policy_through_the_sample_buffers(tiny_models):
-    """DDPO's sample buffers carry Qwen-Image's text and mask and its (B, 16, h, w) latents; the first PPO step
-    recomputes the flow SDE step's log-probs with true CFG 4: approx KL 0, nothing clipped."""
-    from refl_ddpo.core.lora import add_lora
-
-    torch.manual_seed(0)
-    family = load_family(str(tiny_models / MODEL))
-    scheduler = family.policy_scheduler()
-    params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
-    kw = {"num_steps": 3, "guidance_scale": 4.0, "eta": 0.7}
-    samples, first = ddpo_first_update(family, scheduler, params, family.empty_cond(), PROMPTS * 4, RES, **kw)
-    assert samples["prompt_embeds"].shape[0] == 4 and samples["prompt_embeds_mask"].shape[0] == 4
-    assert samples["next_latents"].shape == (4, 3, 16, 16, 16)
-    assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
-
-
-# ---- the trainers, two steps each ----
-
-
-def _policy_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
-    return trainer_flags(
-        tiny_models,
-        out,
-        *extra,
-        model=MODEL,
-        reward="jpeg_compressibility",
-        prompt_fn="simple_animals",
-        sample_num_steps=3,
-        sample_batch_size=2,
-        sample_num_batches_per_epoch=1,
-        train_batch_size=2,
-        sample_guidance_scale=4.0,
-        learning_rate="3e-2",
-        lora_init="random",
-        num_epochs=2,
-        device="cpu",
-        report_to="none",
-        **flags,
-    )
+# ---- the trainers (every trainer for two steps: tests/test_family_conformance.py) ----
 
 
 def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
@@ -258,76 +177,8 @@ def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:
     )
 
 
-def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_qwen_image(
-    tiny_models, tmp_path, capsys
-):
-    """ReFL (ImageReward, the KL term on) for 2 steps with validation: the LoRA changes the stock pipeline's
-    images; the run, the validation files and the model card name the family."""
-    from refl_ddpo.run.model_card import CARD_NAME
-    from refl_ddpo.run.validation import validation_files
-    from refl_ddpo.trainers import refl
-
-    prompts = tmp_path / "validation.txt"
-    prompts.write_text("a photo of a cat\n")
-    out = tmp_path / "refl"
-    refl.main(
-        _refl_flags(
-            tiny_models,
-            out,
-            max_train_steps=2,
-            kl_weight=1,
-            validation_prompts_file=prompts,
-            num_validation_images=1,
-            validation_num_steps=3,
-            validation_guidance_scale=4.0,
-        )
-    )
-    assert "model family: qwen_image" in capsys.readouterr().out
-    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
-    records = validation_files(out)
-    assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {"qwen_image"}
-    card = (out / CARD_NAME).read_text()
-    assert "| model family | Qwen-Image" in card and "- qwen-image" in card
-
-    # before / after inference with its scores (true CFG 4), and the scored comparison, on this LoRA
-    extra = ["--resolution", str(RES), "--guidance_scale", "4.0"]
-    assert_lora_moves_the_scores(tiny_models, tiny_models / MODEL, out, prompts, tmp_path, *extra)
-
-
-@pytest.mark.parametrize("flags, described", DRAFT_CASES)
-def test_draft_k_alignprop_and_draft_lv_run_two_steps(flags, described, tiny_models, tmp_path, capsys):
-    from refl_ddpo.trainers import refl
-
-    out = tmp_path / "draft"
-    refl.main(_refl_flags(tiny_models, out, *flags, max_train_steps=2))
-    assert described in capsys.readouterr().out
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-
-
-def test_grpo_script_trains_a_lora_that_loads_in_the_stock_pipeline(tiny_models, tmp_path):
-    out = tmp_path / "grpo"
-    r = run_script("train_grpo.sh", _policy_flags(tiny_models, out, group_size=2, beta="0.04"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
-
-
-@pytest.mark.parametrize("trainer", ["ddpo", "nft", "awm"])
-def test_trainer_runs_two_epochs(trainer, tiny_models, tmp_path, capsys):
-    """DDPO, DiffusionNFT and AWM (the prompts of simple_animals differ in length: the epoch's batches are
-    concatenated padded)."""
-    import importlib
-
-    out = tmp_path / trainer
-    extra = {} if trainer == "ddpo" else {"group_size": 2}
-    importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(_policy_flags(tiny_models, out, **extra))
-    assert "epoch 2/2" in capsys.readouterr().out
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
-    if trainer == "ddpo":
-        assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
-
-
 def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_window(
-    tiny_models, tmp_path, capsys
+    tiny_models, tmp_path, capsys, monkeypatch
 ):
     """The preset as data (flow_grpo's pickscore_qwenimage): its numbers, and a run of it on the tiny Qwen-Image
     (smaller batches, one epoch, CPU precision) that trains a 2-step SDE window starting in steps 0-4 into a LoRA the
@@ -361,8 +212,10 @@ def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_wi
         report_to="none",
         **small,
     )
+    watch = watch_training(monkeypatch)
     grpo.main(flags)
     assert "epoch 1/1" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
 
 

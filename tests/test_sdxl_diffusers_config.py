@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
-from helpers import assert_lora_changes_stock_images, ddpo_first_update, trainer_flags
+from helpers import assert_lora_changes_stock_images, ddpo_first_update, trainer_flags, watch_training
 
 from refl_ddpo.core.families import load_family
 from refl_ddpo.core.lora import add_lora
@@ -64,6 +64,7 @@ def test_trains_two_epochs_on_policy_with_finite_gradients_and_the_lora_loads_in
 
     train_on_samples = ddpo.train_on_samples
     monkeypatch.setattr(ddpo, "train_on_samples", recorded)  # GRPO is DDPO's trainer with a GRPOConfig
+    watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     flags = trainer_flags(
         diffusers_sdxl.parent,
@@ -89,6 +90,7 @@ def test_trains_two_epochs_on_policy_with_finite_gradients_and_the_lora_loads_in
         assert math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0, step
         assert step["approx_kl"] < 1e-10 and abs(step["ratio"] - 1) <= 1e-5, step
         assert step["ratio_by_step/03"] == 1.0, step  # the deterministic last step: log-prob 0 both times
+    watch.assert_lora_moved_and_base_not(out)
     pipe = StableDiffusionXLPipeline.from_pretrained(diffusers_sdxl, add_watermarker=False)
     pipe.set_progress_bar_config(disable=True)
     assert_lora_changes_stock_images(pipe, out, RES, part="unet")
