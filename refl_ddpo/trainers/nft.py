@@ -20,11 +20,12 @@ One epoch (the algorithm of NVlabs/DiffusionNFT scripts/train_nft_sd3.py, writte
    --train_gradient_accumulation_steps micro-batches per optimizer step; after each, the EMA of the trained
    weights moves toward them with decay min((1 + s) / (10 + s), --ema_decay_max) (the reference's, step s);
 4. after the epoch the old policy moves toward the trained weights: old <- d old + (1 - d) theta, d from the
-   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max, --old_decay_clock;
-   refl_ddpo.algorithms.forward).
+   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max; --old_decay_clock epochs: the
+   epoch's index instead, as AWM's reference; refl_ddpo.algorithms.forward).
 
 Validation, the final LoRA and the model card hold the EMA, as the reference evaluates and saves it (--release_weights
 raw: the trained weights).
+
 No log-probabilities, no SDE, no CFG in training: the loss is the family's own denoising loss (in x0 space) on the
 forward process, so any sampler may draw the samples. On SD 1.x the same objective holds in epsilon (or v)
 parameterisation: x0 is affine in the network's output at fixed x_t, so the implicit policies' x0-predictions are
