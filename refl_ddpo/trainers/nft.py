@@ -12,20 +12,16 @@ One epoch (the algorithm of NVlabs/DiffusionNFT scripts/train_nft_sd3.py, writte
    the group or with --global_std of the epoch (the reference's), clipped to +-c = --train_adv_clip_max; the
    optimality probability r = 0.5 + 0.5 A / c (refl_ddpo.algorithms.forward.optimality_probability);
 3. training, --train_num_inner_epochs times: shuffle the samples; each sample is trained at a random
-   --train_timestep_fraction of the sampler's timesteps t (less the last --train_skip_last_steps; --train_timesteps
-   stratified: one set per micro-batch, as AWM's reference), with fresh noise: x_t = the family's forward process of
-   x0 at t; the network's output v, the old policy's v_old (no grad) and, with --kl_weight, the base model's (LoRA
+   --train_timestep_fraction of the sampler's timesteps t (less the last --train_skip_last_steps; or as AWM's,
+   --train_timesteps), with fresh noise: x_t = the family's forward process of x0 at t; the network's output v, the old policy's v_old (no grad) and, with --kl_weight, the base model's (LoRA
    off); loss = nft_loss (the implicit positive and negative policies, beta = --nft_beta, the adaptive x0-space
    weighting) + kl_weight mean((v - v_base)^2); gradients accumulate over the trained timesteps and
    --train_gradient_accumulation_steps micro-batches per optimizer step; after each, the EMA of the trained
    weights moves toward them with decay min((1 + s) / (10 + s), --ema_decay_max) (the reference's, step s);
 4. after the epoch the old policy moves toward the trained weights: old <- d old + (1 - d) theta, d from the
-   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max; --old_decay_clock epochs: the
-   epoch's index instead, as AWM's reference; refl_ddpo.algorithms.forward).
+   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max, --old_decay_clock).
 
-Validation, the final LoRA and the model card hold the EMA, as the reference evaluates and saves it (--release_weights
-raw: the trained weights).
-
+Validation, the final LoRA and the card hold the EMA, as the reference's (--release_weights raw: the trained ones).
 No log-probabilities, no SDE, no CFG in training: the loss is the family's own denoising loss (in x0 space) on the
 forward process, so any sampler may draw the samples. On SD 1.x the same objective holds in epsilon (or v)
 parameterisation: x0 is affine in the network's output at fixed x_t, so the implicit policies' x0-predictions are
@@ -138,8 +134,7 @@ class ForwardProcess(EpochAlgorithm):
         self.old = [p.detach().clone() for p in run.params]  # the old (sampling) policy: theta at the start
 
     def released(self) -> list[torch.Tensor] | None:
-        """The weights that validation scores and the final LoRA holds in place of the trained ones (an EMA of
-        them, --release_weights ema), or None (the trained ones)."""
+        """The EMA that validation and the final LoRA hold (--release_weights ema), or None (the trained weights)."""
         return None
 
     def validation_weights(self, run: Run):
@@ -369,13 +364,8 @@ class NFT(ForwardProcess):
 
     def load_state(self, run: Run, counters: dict, tensors: dict) -> int:
         done = super().load_state(run, counters, tensors)
-        if self.ema is not None:
-            if "ema/0" not in tensors:
-                run.accelerator.print(
-                    "the checkpoint holds no EMA (a --release_weights raw run): it starts here"
-                )
-            for i, t in enumerate(self.ema):
-                t.copy_(tensors.get(f"ema/{i}", run.params[i].detach()))
+        for i, t in enumerate(self.ema or []):  # a --release_weights raw run's has none: the EMA starts here
+            t.copy_(tensors.get(f"ema/{i}", run.params[i].detach()))
         return done
 
     def draw_loss(self, run: Run, batch: dict, cond, draw: Draw, prepared: Any) -> tuple[torch.Tensor, dict]:
