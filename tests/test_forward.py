@@ -356,6 +356,36 @@ def test_awm_is_on_policy_and_pulls_toward_the_old_policy():
     )
 
 
+@pytest.mark.parametrize("release", ["ema", "raw"])
+def test_nft_releases_the_ema_of_the_trained_weights_or_the_raw_ones(release):
+    """NFT's EMA starts at the initial weights and follows each optimizer step s with decay min((1 + s) / (10 + s),
+    0.9); validation sees it and the final weights are it (--release_weights ema), or neither (raw: no EMA kept)."""
+    from refl_ddpo.trainers.forward_config import NFTConfig
+    from refl_ddpo.trainers.nft import NFT
+
+    w0 = torch.tensor([1.0, 0.5, -0.3])
+    algo, run = _wired(NFT, NFTConfig(release_weights=release), w0, w0)
+    algo.setup_optimizer(run)
+    seen = []
+    for step, w in enumerate((torch.tensor([2.0, 0.5, 0.7]), torch.tensor([3.0, 1.5, 0.7])), start=1):
+        with torch.no_grad():
+            run.params[0].copy_(w)
+        algo.global_step = step
+        algo.after_step(run)
+        with algo.validation_weights(run):
+            seen.append(run.params[0].detach().clone())
+        assert torch.equal(run.params[0].detach(), w), "the trained weights are back after validation"
+    algo.finish(run)
+    if release == "raw":
+        assert algo.ema is None and torch.equal(seen[1], w) and torch.equal(run.params[0].detach(), w)
+        return
+    d1, d2 = 2 / 11, 3 / 12
+    ema1 = d1 * w0 + (1 - d1) * torch.tensor([2.0, 0.5, 0.7])
+    ema2 = d2 * ema1 + (1 - d2) * w
+    torch.testing.assert_close(seen, [ema1, ema2])
+    torch.testing.assert_close(run.params[0].detach(), ema2)
+
+
 def test_draws_share_one_stratified_set_per_micro_batch_or_draw_per_sample():
     """--train_timesteps stratified (AWM's default): every sample of a micro-batch at the same timestep per draw,
     one per cut of the span; per_sample (NFT's, and the toy presets'): each sample its own."""
