@@ -277,7 +277,8 @@ CASES: dict[str, Case] = {
         # green 1 time in 8: every seed learns (NFT 1.000 on 10 seeds), but without the KL the triangle grows
         # toward the training prompts' circle and square (grey drop +0.10 +- 0.03, 3.4 std). docs/record/learning_spread.md
         # DiffusionNFT: clean samples of the Euler sampler, the forward-process loss; over 12 seeds gain +0.68 +- 0.03
-        # (7.0 std above the bound), grey drop +0.06 +- 0.02 (7.6)
+        # (7.0 std above the bound), grey drop +0.06 +- 0.02 (7.6). The trained weights, as the toy preset releases
+        # them; released as the reference's EMA, seeds 0-4 gain +0.64 +- 0.03 (4.6 std: the EMA lags an epoch)
         Case(
             "nft_sd3",
             "train_nft.sh",

@@ -21,6 +21,7 @@ MODELS = {
     "nft": "tiny-sd3",
     "awm": "stable-diffusion",
 }  # one family each; the maths holds for both (test_forward)
+EMA = {"nft": "ema", "awm": "old"}  # the released weights' tensors in checkpoint-N's train_state
 
 
 def _flags(tiny_models, algo: str, out: Path, *extra: str) -> list[str]:
@@ -91,23 +92,35 @@ def _scalars(out: Path) -> dict[str, list[float]]:
 @pytest.mark.parametrize("algo", ["nft", "awm"])
 def test_script_trains_groups_over_two_processes_and_saves_a_lora(two_process_run, algo):
     """Rewards and group ids are gathered before the advantages; the processes end with identical weights; the LoRA
-    moved from its init; the model card names the method; the trackers get the loss, the KL to the base (0 at the
-    first step: the LoRA starts at the base model), and the old policy's decay."""
+    moved from its init; the final LoRA is the EMA (NFT's own, AWM's old policy) that checkpoint-N keeps beside the
+    trained weights; the model card names the method and the released weights; the trackers get the loss, the KL to
+    the base (0 at the first step: the LoRA starts at the base model), and the old policy's decay on each
+    reference's clock (NFT: optimizer steps, AWM: epochs from 0)."""
     out, r = two_process_run(algo)
     assert "groups (prompts) per epoch: 3" in r.stdout and "trained timesteps per sample: 2" in r.stdout
     assert r.stdout.count("12 rewards from 2 process(es)") == 2
     assert "weights identical on all 2 process(es)" in r.stdout
     lora, first = load_file(out / LORA_WEIGHTS_NAME), load_file(out / "checkpoint-1" / LORA_WEIGHTS_NAME)
     assert any(not torch.equal(first[k], lora[k]) for k in lora), "the second epoch trained"
+    trained = load_file(out / "checkpoint-2" / LORA_WEIGHTS_NAME)
+    ema = [
+        t
+        for k, t in load_file(out / "checkpoint-2" / "train_state.safetensors").items()
+        if k.startswith(f"{EMA[algo]}/")
+    ]
+    assert len(ema) == len(lora) and all(any(torch.equal(t, e) for e in ema) for t in lora.values()), (
+        "the EMA"
+    )
+    assert any(not torch.equal(trained[k], lora[k]) for k in lora), "the EMA is not the trained weights"
     card = (out / "README.md").read_text()
     name, source = {"nft": ("DiffusionNFT", "arXiv 2509.16117"), "awm": ("AWM", "Flow-Factory")}[algo]
-    assert name in card and source in card
+    assert name in card and source in card and "| release_weights | `ema` |" in card
     scalars = _scalars(out)
     for key in ("loss", "kl", "grad_norm", "old_decay", "zero_std_groups"):
         assert f"{algo}/{key}" in scalars, (key, sorted(scalars))
     assert len(scalars[f"{algo}/loss"]) == 4  # two optimizer steps per epoch (6 samples, 3 per step)
-    rate = {"nft": 0.001, "awm": 0.0003}[algo]  # d = steps x rate after each epoch
-    assert scalars[f"{algo}/old_decay"] == pytest.approx([2 * rate, 4 * rate])
+    clock = {"nft": [0.001 * 2, 0.001 * 4], "awm": [0.0, 0.0003]}[algo]  # d = rate x (steps, or epoch index)
+    assert scalars[f"{algo}/old_decay"] == pytest.approx(clock)
     if algo == "nft":
         assert scalars["nft/old_deviate"][0] == 0, "the old policy is the initial weights at the first step"
     else:
@@ -116,8 +129,9 @@ def test_script_trains_groups_over_two_processes_and_saves_a_lora(two_process_ru
 
 
 def test_nft_resume_after_a_killed_run_gives_the_bit_identical_lora(two_process_run, tiny_models, tmp_path):
-    """Killed (-9) after its first checkpoint and resumed with --resume_from_checkpoint latest: the LoRA and the
-    counters equal the uninterrupted run's bit for bit (the old policy travels in checkpoint-N)."""
+    """Killed (-9) after its first checkpoint and resumed with --resume_from_checkpoint latest: the LoRA (the EMA),
+    the counters and the last checkpoint's trained weights, old policy and EMA equal the uninterrupted run's bit for
+    bit (the old policy and the EMA travel in checkpoint-N)."""
     reference, _ = two_process_run("nft")
     out = tmp_path / "killed"
     flags = _flags(tiny_models, "nft", out, "--report_to", "none")
@@ -132,6 +146,11 @@ def test_nft_resume_after_a_killed_run_gives_the_bit_identical_lora(two_process_
     assert json.loads((out / "checkpoint-2" / "train_state.json").read_text()) == json.loads(
         (reference / "checkpoint-2" / "train_state.json").read_text()
     )
+    for name in ("train_state.safetensors", LORA_WEIGHTS_NAME):
+        resumed, uninterrupted = (load_file(d / "checkpoint-2" / name) for d in (out, reference))
+        assert resumed.keys() == uninterrupted.keys()
+        assert name == LORA_WEIGHTS_NAME or any(k.startswith("ema/") for k in resumed)
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), name
 
 
 @pytest.mark.parametrize(

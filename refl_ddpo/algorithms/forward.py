@@ -102,6 +102,41 @@ def old_policy_decay(step: int, flat: int, rate: float, max_decay: float) -> flo
     return min((step - flat) * rate, max_decay)
 
 
+def ema_decay(step: int, max_decay: float) -> float:
+    """The decay of DiffusionNFT's EMA of the trained weights after optimizer step `step` (1-based: the reference
+    steps it after counting the step): min((1 + step) / (10 + step), max_decay), its `EMAModuleWrapper` with decay
+    0.9 (train_nft_sd3.py). Applied with `soft_update_`; it averages over ~10 steps at most."""
+    return min((1 + step) / (10 + step), max_decay)
+
+
+def stratified_timestep_indices(
+    timesteps: torch.Tensor,
+    num: int,
+    timestep_range: float,
+    max_timestep: float,
+    last: int,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """`num` indices into the sampler's `timesteps` (descending), one set for a whole micro-batch, as Flow-Factory's
+    AWM draws them (`TimeSampler.discrete`, strategy `discrete_wo_init`): of the steps with t >= (1 -
+    `timestep_range`) `max_timestep` and index <= `last`, leave out the first (the initial step, pure noise on a
+    flow model), cut the index span [first + 1, last one] at linspace's `num` + 1 points rounded down, and draw one
+    index uniformly in each cut, its upper end excluded (so the last index of the span is never drawn, and a cut
+    narrower than one index gives its lower end: indices may repeat when the span is short)."""
+    t = timesteps.float().cpu()
+    valid = torch.nonzero(t >= (1.0 - timestep_range) * max_timestep - 1e-3).flatten()
+    valid = valid[valid <= last]
+    if len(valid) < 2:
+        raise ValueError(
+            f"stratified timesteps: {len(valid)} of the sampler's timesteps {t.tolist()} lie in the range "
+            f"{timestep_range} up to index {last}; two are needed (the first is never trained)"
+        )
+    start, end = int(valid.min()) + 1, int(valid.max())
+    bounds = torch.linspace(start, end, num + 1)
+    lower, upper = bounds[:-1].long(), bounds[1:].long()
+    return lower + (torch.rand(num, generator=generator) * (upper - lower)).long()
+
+
 @torch.no_grad()
 def soft_update_(old: list[torch.Tensor], new: list[torch.Tensor], decay: float) -> None:
     """old <- decay * old + (1 - decay) * new, in place (decay 0 copies new)."""

@@ -48,10 +48,13 @@ _FORWARD = (
     "train_gradient_accumulation_steps",
     "train_num_inner_epochs",
     "train_timestep_fraction",
+    "train_timesteps",
     "kl_weight",
     "old_decay_flat",
     "old_decay_rate",
     "old_decay_max",
+    "old_decay_clock",
+    "release_weights",
 )
 NAMES = {"refl": "ReFL", "ddpo": "DDPO", "grpo": "GRPO", "nft": "DiffusionNFT", "awm": "AWM"}
 METHODS = {
@@ -89,7 +92,7 @@ METHODS = {
     "nft": (
         "DiffusionNFT: the denoising loss of implicit positive and negative policies on forward-noised clean samples",
         "Zheng et al. 2025, arXiv 2509.16117",
-        (*_FORWARD, "nft_beta"),
+        (*_FORWARD, "nft_beta", "ema_decay_max"),
     ),
     "awm": (
         "AWM (Advantage Weighted Matching): PPO-clip on the weighted matching loss of forward-noised clean samples",

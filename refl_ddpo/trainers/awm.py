@@ -15,6 +15,11 @@ What differs from DiffusionNFT, per epoch:
    --old_kl_weight mean((v - v_old)^2) to the old policy, an EMA of the weights updated after each epoch as
    DiffusionNFT's (--old_decay_*). On the first update of a micro-batch the ratio is 1 and the gradient is the
    advantage-weighted matching loss's: A grad w(m, t).
+
+The trained timesteps are one stratified set per micro-batch, never the first (pure-noise) step, as Flow-Factory's
+AWM example draws them (--train_timesteps stratified, --train_timestep_range); the old policy's decay counts epochs
+as its EMA does (--old_decay_clock). The old policy is Flow-Factory's EMA of the weights, which it evaluates and saves:
+validation, the final LoRA and the model card hold it (--release_weights raw: the trained weights).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class AWM(ForwardProcess):
 
     name = "awm"
     sample_with_old = False
+
+    def released(self) -> list[torch.Tensor] | None:
+        return self.old if self.cfg.release_weights == "ema" else None
 
     def log_likelihood(self, run: Run, v: torch.Tensor, draw: Draw) -> torch.Tensor:
         family, cfg = run.family, self.cfg

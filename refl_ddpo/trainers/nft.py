@@ -12,19 +12,22 @@ One epoch (the algorithm of NVlabs/DiffusionNFT scripts/train_nft_sd3.py, writte
    the group or with --global_std of the epoch (the reference's), clipped to +-c = --train_adv_clip_max; the
    optimality probability r = 0.5 + 0.5 A / c (refl_ddpo.algorithms.forward.optimality_probability);
 3. training, --train_num_inner_epochs times: shuffle the samples; each sample is trained at a random
-   --train_timestep_fraction of the sampler's timesteps t (less the last --train_skip_last_steps), with fresh noise: x_t = the family's forward process of
-   x0 at t; the network's output v, the old policy's v_old (no grad) and, with --kl_weight, the base model's (LoRA
+   --train_timestep_fraction of the sampler's timesteps t (less the last --train_skip_last_steps; or as AWM's,
+   --train_timesteps), with fresh noise: x_t = the family's forward process of x0 at t; the network's output v, the old policy's v_old (no grad) and, with --kl_weight, the base model's (LoRA
    off); loss = nft_loss (the implicit positive and negative policies, beta = --nft_beta, the adaptive x0-space
    weighting) + kl_weight mean((v - v_base)^2); gradients accumulate over the trained timesteps and
-   --train_gradient_accumulation_steps micro-batches per optimizer step;
+   --train_gradient_accumulation_steps micro-batches per optimizer step; after each, the EMA of the trained
+   weights moves toward them with decay min((1 + s) / (10 + s), --ema_decay_max) (the reference's, step s);
 4. after the epoch the old policy moves toward the trained weights: old <- d old + (1 - d) theta, d from the
-   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max; refl_ddpo.algorithms.forward).
+   optimizer step count (--old_decay_flat, --old_decay_rate, --old_decay_max, --old_decay_clock).
 
+Validation, the final LoRA and the card hold the EMA, as the reference's (--release_weights raw: the trained ones).
 No log-probabilities, no SDE, no CFG in training: the loss is the family's own denoising loss (in x0 space) on the
 forward process, so any sampler may draw the samples. On SD 1.x the same objective holds in epsilon (or v)
 parameterisation: x0 is affine in the network's output at fixed x_t, so the implicit policies' x0-predictions are
 the same mixtures of the two networks' x0-predictions (refl_ddpo.algorithms.forward's module doc).
-The old policy's weights (a copy of the trainable tensors) are saved in checkpoint-N: resume is bit-exact on CPU.
+The old policy's weights and the EMA (copies of the trainable tensors) are saved in checkpoint-N's train_state
+beside the trained weights: resume is bit-exact on CPU.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from typing import Any
 import torch
 
 from refl_ddpo.algorithms.forward import (
+    ema_decay,
     nft_loss,
     old_policy_decay,
     optimality_probability,
     output_mse,
     soft_update_,
+    stratified_timestep_indices,
 )
 from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
 from refl_ddpo.core.errors import cli_main
@@ -127,6 +132,25 @@ class ForwardProcess(EpochAlgorithm):
 
     def setup_optimizer(self, run: Run) -> None:
         self.old = [p.detach().clone() for p in run.params]  # the old (sampling) policy: theta at the start
+
+    def released(self) -> list[torch.Tensor] | None:
+        """The EMA that validation and the final LoRA hold (--release_weights ema), or None (the trained weights)."""
+        return None
+
+    def validation_weights(self, run: Run):
+        released = self.released()
+        return nullcontext() if released is None else swapped(run.params, released)
+
+    def finish(self, run: Run) -> dict[str, int]:
+        released = self.released()
+        if released is not None:  # the EMA is the result, as the reference saves it
+            with torch.no_grad():
+                for p, e in zip(run.params, released, strict=True):
+                    p.copy_(e)
+        return super().finish(run)
+
+    def after_step(self, run: Run) -> None:
+        """After each optimizer step, `self.global_step` counted (NFT: the EMA's update)."""
 
     def describe(self, run: Run) -> dict:
         return forward_sizes(self.cfg, run.accelerator.num_processes)
@@ -216,7 +240,8 @@ class ForwardProcess(EpochAlgorithm):
                         f"{e} in epoch {epoch + 1}",
                         "lower --learning_rate, or check the reward",
                     ) from None
-        decay = old_policy_decay(self.global_step, cfg.old_decay_flat, cfg.old_decay_rate, cfg.old_decay_max)
+        clock = self.global_step if cfg.old_decay_clock == "steps" else epoch
+        decay = old_policy_decay(clock, cfg.old_decay_flat, cfg.old_decay_rate, cfg.old_decay_max)
         soft_update_(self.old, run.params, decay)
         run.accelerator.log({f"{self.name}/old_decay": decay}, step=self.global_step)
 
@@ -260,15 +285,25 @@ class ForwardProcess(EpochAlgorithm):
                     info = {k: float(v) for k, v in means.items()} | {"grad_norm": grad_norm}
                     accelerator.log({f"{self.name}/{k}": v for k, v in info.items()}, step=self.global_step)
                     self.global_step += 1
+                    self.after_step(run)
                     acc = defaultdict(list)
                     bar.set_postfix({k: f"{info[k]:.3g}" for k in ("loss", "kl") if k in info}, refresh=False)
                     bar.update(1)
 
     def draws(self, family, schedule: torch.Tensor, x0: torch.Tensor, trained: int, generator) -> list[Draw]:
-        """Each sample's `trained` timesteps (a random subset of the sampler's, per sample, never the last
-        --train_skip_last_steps) and fresh noise."""
-        b, steps = len(x0), len(schedule) - self.cfg.train_skip_last_steps
-        order = torch.stack([torch.randperm(steps, generator=generator)[:trained] for _ in range(b)])
+        """Each sample's `trained` timesteps (never the last --train_skip_last_steps; per_sample: a random subset
+        of the sampler's for each sample; stratified: one set for the micro-batch, refl_ddpo.algorithms.forward
+        .stratified_timestep_indices) and fresh noise."""
+        cfg = self.cfg
+        b, steps = len(x0), len(schedule) - cfg.train_skip_last_steps
+        if cfg.train_timesteps == "stratified":
+            max_t = self.scheduler.config.num_train_timesteps
+            shared = stratified_timestep_indices(
+                schedule, trained, cfg.train_timestep_range, max_t, steps - 1, generator
+            )
+            order = shared.expand(b, trained)
+        else:
+            order = torch.stack([torch.randperm(steps, generator=generator)[:trained] for _ in range(b)])
         out = []
         for j in range(trained):
             t = schedule[order[:, j]].to(x0.device)
@@ -307,9 +342,31 @@ class ForwardProcess(EpochAlgorithm):
 
 
 class NFT(ForwardProcess):
-    """DiffusionNFT's loss of one trained timestep (module doc, step 3)."""
+    """DiffusionNFT's loss of one trained timestep (module doc, step 3) and its EMA of the trained weights."""
 
     name = "nft"
+
+    def setup_optimizer(self, run: Run) -> None:
+        super().setup_optimizer(run)
+        keep = self.cfg.release_weights == "ema"
+        self.ema = [p.detach().clone() for p in run.params] if keep else None
+
+    def released(self) -> list[torch.Tensor] | None:
+        return self.ema
+
+    def after_step(self, run: Run) -> None:
+        if self.ema is not None:
+            soft_update_(self.ema, run.params, ema_decay(self.global_step, self.cfg.ema_decay_max))
+
+    def state(self, run: Run, done: int) -> tuple[dict, dict]:
+        counters, tensors = super().state(run, done)
+        return counters, {**tensors, **{f"ema/{i}": t for i, t in enumerate(self.ema or [])}}
+
+    def load_state(self, run: Run, counters: dict, tensors: dict) -> int:
+        done = super().load_state(run, counters, tensors)
+        for i, t in enumerate(self.ema or []):  # a --release_weights raw run's has none: the EMA starts here
+            t.copy_(tensors.get(f"ema/{i}", run.params[i].detach()))
+        return done
 
     def draw_loss(self, run: Run, batch: dict, cond, draw: Draw, prepared: Any) -> tuple[torch.Tensor, dict]:
         cfg, family = self.cfg, run.family
