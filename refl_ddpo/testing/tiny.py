@@ -34,7 +34,7 @@ all equally noisy (JPEG sizes within a few bytes of each other), and no policy g
 
     python -m refl_ddpo.testing.tiny OUT --toy_world
 
-also writes the toy world (refl_ddpo.toy_world.world.world: coloured shapes on grey, prompts "a {colour} {shape}"):
+also writes the toy world (refl_ddpo.toy_world.world: coloured shapes on grey, prompts "a {colour} {shape}"):
 OUT/toy-sd/ (a tiny Stable Diffusion trained to draw them, deliberately imperfect), OUT/toy-sd3/ (the same world
 as a tiny SD3: an MMDiT trained by flow matching, two CLIPs, no T5) and
 OUT/toy_classifier.{safetensors,json} (the toy_classifier reward's CNN), copied from the weights committed under
@@ -320,7 +320,7 @@ def write_toy_world(out: str | Path, rebuild: bool = False) -> Path:
         from refl_ddpo.testing.toy_build import build_toy_world
 
         return build_toy_world(out)
-    from refl_ddpo.toy_world.world import files as toy_files
+    from refl_ddpo.toy_world import files as toy_files
 
     return toy_files.write_toy_world(out)
 
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.toy_world or args.rebuild_toy_world:
         from refl_ddpo.core.errors import UserError
-        from refl_ddpo.toy_world.world import world as toy_world
+        from refl_ddpo.toy_world import world as toy_world
 
         try:
             sd = write_toy_world(out, rebuild=args.rebuild_toy_world)
