@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_in_process, run_script, trainer_flags
+from helpers import run_in_process, run_script, trainer_flags, watch_training
 from safetensors.torch import load_file
 
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
@@ -89,7 +89,8 @@ def test_the_conditioning_is_the_same_with_the_flag_and_the_encoders_end_on_the_
 def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models, tmp_path, monkeypatch):
     """Two ReFL steps on tiny FLUX.1 with train_refl_lora.sh's recipe (in this process), with and without the flag:
     the same LoRA tensors (the device is the CPU, so only the path differs); the saved config and the script's --help
-    carry the flag."""
+    carry the flag. Each run moved its LoRA and no base weight."""
+    watch = watch_training(monkeypatch)
     runs = {}
     for offload in (False, True):
         out = tmp_path / f"offload-{offload}"
@@ -111,6 +112,7 @@ def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models,
         run_in_process(monkeypatch, "train_refl_lora.sh", flags)
         assert json.loads((out / CONFIG_NAME).read_text())["offload_text_encoders"] is offload
         runs[offload] = load_file(out / LORA_WEIGHTS_NAME)
+        watch.assert_lora_moved_and_base_not(out)
     assert runs[False].keys() == runs[True].keys()
     assert all(torch.equal(runs[False][k], runs[True][k]) for k in runs[False])
     r = run_script("train_refl_lora.sh", ["--help"])
