@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
-from helpers import run_in_process
+from helpers import run_in_process, watch_training
 from PIL import Image
 
 from refl_ddpo.core.errors import UserError
@@ -204,7 +204,9 @@ def test_vlm_bertscore_describes_then_scores(stand_in, tiny_models):
 
 def test_prompt_image_alignment_preset_trains_end_to_end(stand_in, tiny_models, tmp_path, monkeypatch):
     """train_ddpo.sh's trainer (in this process, under the script's recipe) with --preset prompt_image_alignment and
-    OPENAI_BASE_URL on the stand-in server: it trains, each image is described once, the config names the preset."""
+    OPENAI_BASE_URL on the stand-in server: it trains (its LoRA moved, no base weight did), each image is described
+    once, the config names the preset."""
+    watch = watch_training(monkeypatch)
     url, handler = stand_in
     handler.mode = "describe"
     out = tmp_path / "pia"
@@ -240,6 +242,7 @@ def test_prompt_image_alignment_preset_trains_end_to_end(stand_in, tiny_models, 
     ]
     run_in_process(monkeypatch, "train_ddpo.sh", args)
     assert (out / LORA_WEIGHTS_NAME).is_file()
+    watch.assert_lora_moved_and_base_not(out)
     assert len(handler.requests) == 2  # one epoch of 2 images, each described once
     assert all(r["model"] == MODEL for r in handler.requests)
     config = json.loads((out / CONFIG_NAME).read_text())
