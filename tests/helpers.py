@@ -1,7 +1,9 @@
 """What several test files share beside conftest.py's fixtures: a trainer's command line on the tiny models, and the
 environment of a trainer's shell script run in a subprocess."""
 
+import importlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -207,6 +209,26 @@ def run_script(name: str, args: list[str], env: dict | None = None, timeout: int
         timeout=timeout,
         check=False,
     )
+
+
+def script_recipe(name: str) -> tuple[str, str]:
+    """train_scripts/NAME's trainer module and its recipe: the defaults it hands to `launch` before the "--", as the
+    REFL_DDPO_DEFAULTS string launch.sh exports (a layer below --config and the flags)."""
+    text = (REPO / "train_scripts" / name).read_text().replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if line.startswith("launch ")]
+    words = shlex.split(line)
+    return words[1], shlex.join(words[2 : words.index("--")])
+
+
+def run_in_process(monkeypatch, name: str, args: list[str]) -> None:
+    """What `run_script(NAME, ARGS)` runs on one process, in this one: the script's trainer module's main(ARGS) under
+    the script's recipe and program name. A user error raises SystemExit (its code is the script's exit code, its
+    one line is on stderr). Tests of the script itself (the launcher, env knobs, exit codes seen by a shell, several
+    processes) run it with `run_script`."""
+    module, defaults = script_recipe(name)
+    monkeypatch.setenv("REFL_DDPO_DEFAULTS", defaults)
+    monkeypatch.setenv("REFL_DDPO_PROG", f"bash train_scripts/{name}")
+    importlib.import_module(module).main(args)
 
 
 def free_port() -> int:

@@ -1,14 +1,12 @@
 """The LAION aesthetic reward on the tiny CLIP: loading, batch scores, gradient, preprocessing, one-line errors."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.errors import UserError, cli_main
 from refl_ddpo.rewards import build_reward, is_differentiable
 from refl_ddpo.rewards.aesthetic import HEAD_NAME, AestheticHead, _head_dims, load, preprocess
 
@@ -111,12 +109,11 @@ def test_wrong_head_file_is_one_line_error(tiny_models, tmp_path):
         load(tmp_path, "cpu")
 
 
-def test_cli_reward_flag_error_exits_nonzero(tmp_path):
-    """Through a script the missing files surface as one 'error:' line and a non-zero exit, no traceback."""
-    code = (
-        "from refl_ddpo.core.errors import cli_main\nfrom refl_ddpo.rewards import build_reward\n"
-        f"cli_main(lambda: build_reward('aesthetic', 'cpu', model_dir={str(tmp_path)!r}))()"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().startswith("error: aesthetic reward:") and "Traceback" not in proc.stderr
+def test_cli_reward_flag_error_exits_nonzero(tmp_path, capsys):
+    """Through a script's main (cli_main) the missing files surface as one 'error:' line and a non-zero exit, no
+    traceback."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(lambda: build_reward("aesthetic", "cpu", model_dir=str(tmp_path)))()
+    err = capsys.readouterr().err
+    assert exc.value.code != 0
+    assert err.strip().startswith("error: aesthetic reward:") and "Traceback" not in err

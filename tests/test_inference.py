@@ -87,7 +87,8 @@ def prompts_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tiny_models, prompts_file, tmp_path_factory) -> dict[str, Path]:
-    """Base twice (from the repo root and from inside inference/), base + zero LoRA, base + random LoRA."""
+    """Base twice (inference.py's main in this process, and the script run from inside inference/), base + zero
+    LoRA, base + random LoRA."""
     root = tmp_path_factory.mktemp("runs")
     sd = tiny_models / "stable-diffusion"
     recorded = {"pretrained_model": str(sd), "resolution": 32}  # what a trainer writes beside its LoRA
@@ -100,24 +101,10 @@ def runs(tiny_models, prompts_file, tmp_path_factory) -> dict[str, Path]:
         "random": root / "random",
         **{f"lora_{k}": v for k, v in loras.items()},
     }
-    procs = [
-        run_script(
-            "inference.py", "--pretrained_model", sd, "--resolution", 32, "--output_dir", out["base"], *common
-        ),
-        run_script(
-            "inference.py",
-            "--pretrained_model",
-            sd,
-            "--resolution",
-            32,
-            "--output_dir",
-            out["base_again"],
-            *common,
-            cwd=SCRIPTS,
-        ),
-    ]
-    for p in procs:
-        assert p.returncode == 0, p.stderr[-2000:]
+    base = ["--pretrained_model", sd, "--resolution", 32, *common]
+    inference.main_base(list(map(str, [*base, "--output_dir", out["base"]])))
+    p = run_script("inference.py", *base, "--output_dir", out["base_again"], cwd=SCRIPTS)
+    assert p.returncode == 0, p.stderr[-2000:]
     # base + LoRA in this process (inference_lora.py's main; the script itself: test_lora_of_another_architecture...):
     # no --pretrained_model / --resolution, both come from the config.json beside the LoRA
     for name, init in (("zero", "gaussian"), ("random", "random")):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_script, trainer_flags
+from helpers import run_in_process, run_script, trainer_flags, watch_training
 from safetensors.torch import load_file
 
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
@@ -86,9 +86,11 @@ def test_the_conditioning_is_the_same_with_the_flag_and_the_encoders_end_on_the_
     assert _equal(plain.empty_cond(), offloaded.empty_cond())
 
 
-def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models, tmp_path):
-    """Two ReFL steps on tiny FLUX.1 through train_refl_lora.sh, with and without the flag: the same LoRA
-    tensors (the device is the CPU, so only the path differs); the saved config and --help carry the flag."""
+def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models, tmp_path, monkeypatch):
+    """Two ReFL steps on tiny FLUX.1 with train_refl_lora.sh's recipe (in this process), with and without the flag:
+    the same LoRA tensors (the device is the CPU, so only the path differs); the saved config and the script's --help
+    carry the flag. Each run moved its LoRA and no base weight."""
+    watch = watch_training(monkeypatch)
     runs = {}
     for offload in (False, True):
         out = tmp_path / f"offload-{offload}"
@@ -107,10 +109,10 @@ def test_refl_with_the_flag_trains_the_same_lora_and_saves_the_flag(tiny_models,
             max_train_steps=2,
             lora_init="random",
         )
-        r = run_script("train_refl_lora.sh", flags)
-        assert r.returncode == 0, r.stderr[-3000:]
+        run_in_process(monkeypatch, "train_refl_lora.sh", flags)
         assert json.loads((out / CONFIG_NAME).read_text())["offload_text_encoders"] is offload
         runs[offload] = load_file(out / LORA_WEIGHTS_NAME)
+        watch.assert_lora_moved_and_base_not(out)
     assert runs[False].keys() == runs[True].keys()
     assert all(torch.equal(runs[False][k], runs[True][k]) for k in runs[False])
     r = run_script("train_refl_lora.sh", ["--help"])

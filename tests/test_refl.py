@@ -1,17 +1,18 @@
 """ReFL trainer: the gradient path, the KL term, the shell script end to end, bit-exact resume, two processes in step,
-and one-line errors for bad input. CPU, tiny random models (refl_ddpo.testing.tiny)."""
+and one-line errors for bad input. CPU, tiny random models (refl_ddpo.testing.tiny). The trainer runs in this process
+(`refl.main`, under train_refl_lora.sh's recipe) except where the script or the process boundary is the point: the
+script end to end, its one-line errors and env knobs seen from a shell, and two processes."""
 
 import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionPipeline
-from helpers import script_env, trainer_flags
+from helpers import run_in_process, script_env, trainer_flags, watch_training
 from safetensors.torch import load_file
 
 from refl_ddpo.core.families import load_family, resolve_guidance
@@ -178,32 +179,38 @@ def _train_flags(tiny_models, out: Path, steps: int) -> list[str]:
     )
 
 
-def test_script_trains_on_the_users_reward_and_prompt_fn_and_resumes_bit_exactly(tiny_models, tmp_path):
-    """--reward pkg.module:function (marked differentiable) and --prompt_fn pkg.module:function (tests/user_functions.py
-    on PYTHONPATH) through ReFL: the prompts are seeded from the process' stream, so a run resumed from its checkpoint
-    gives the uninterrupted run's LoRA. A reward not marked differentiable and a prompt_fn that does not import are one
-    line each, before any model."""
+def test_script_trains_on_the_users_reward_and_prompt_fn_and_resumes_bit_exactly(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    """--reward pkg.module:function (marked differentiable) and --prompt_fn pkg.module:function (tests/user_functions.py,
+    on this process' path as on the script's PYTHONPATH) through ReFL: the prompts are seeded from the process' stream,
+    so a run resumed from its checkpoint gives the uninterrupted run's LoRA. A reward not marked differentiable and a
+    prompt_fn that does not import are one line each, before any model."""
+    watch = watch_training(monkeypatch)
     flags = ["--reward", "user_functions:redness", "--prompt_fn", "user_functions:colour_prompt"]
     flags += ["--checkpointing_steps", "2"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    r = _script(_train_flags(tiny_models, whole, 4) + flags, PYTHONPATH=str(REPO / "tests"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "prompt_fn user_functions:colour_prompt" in r.stdout
+    run_in_process(monkeypatch, SCRIPT.name, _train_flags(tiny_models, whole, 4) + flags)
+    assert "prompt_fn user_functions:colour_prompt" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(whole)
     resumed.mkdir()
     shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
-    r = _script(
+    run_in_process(
+        monkeypatch,
+        SCRIPT.name,
         _train_flags(tiny_models, resumed, 4) + flags + ["--resume_from_checkpoint", "latest"],
-        PYTHONPATH=str(REPO / "tests"),
     )
-    assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(whole / LORA_WEIGHTS_NAME), load_file(resumed / LORA_WEIGHTS_NAME)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for bad, words in (
         (["--reward", "user_functions:brightness_list"], "differentiable = True"),
         (["--prompt_fn", "user_functions:nope"], "has no nope"),
     ):
-        r = _script(_train_flags(tiny_models, tmp_path / "bad", 1) + bad, PYTHONPATH=str(REPO / "tests"))
-        assert r.returncode == 2 and words in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            run_in_process(monkeypatch, SCRIPT.name, _train_flags(tiny_models, tmp_path / "bad", 1) + bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err.strip().splitlines()[-1], err[-2000:]
 
 
 def test_prompt_draw_takes_the_list_or_the_source_from_one_generator():
@@ -226,6 +233,7 @@ E2E_STEPS, RESUME_AT = 30, 15
 
 @pytest.fixture(scope="module")
 def trained(tiny_models, tmp_path_factory) -> Path:
+    """train_refl_lora.sh end to end (its one script-level run; the other runs here are in this process)."""
     out = tmp_path_factory.mktemp("refl") / "run"
     r = _script(_train_flags(tiny_models, out, E2E_STEPS) + ["--checkpointing_steps", str(RESUME_AT)])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -272,16 +280,18 @@ def test_script_trains_lora_that_raises_held_out_reward_and_loads_in_stock_pipel
     assert after > before + 0.05, (before, after)
 
 
-def test_resume_gives_bit_identical_lora(trained, tiny_models, tmp_path):
+def test_resume_gives_bit_identical_lora(trained, tiny_models, tmp_path, capsys, monkeypatch):
+    """The script's run resumed from its checkpoint in this process ends on the script's LoRA."""
     out = tmp_path / "resumed"
     out.mkdir()
     shutil.copytree(trained / f"checkpoint-{RESUME_AT}", out / f"checkpoint-{RESUME_AT}")
-    r = _script(
+    run_in_process(
+        monkeypatch,
+        SCRIPT.name,
         _train_flags(tiny_models, out, E2E_STEPS)
-        + ["--checkpointing_steps", str(RESUME_AT), "--resume_from_checkpoint", "latest"]
+        + ["--checkpointing_steps", str(RESUME_AT), "--resume_from_checkpoint", "latest"],
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {out / f'checkpoint-{RESUME_AT}'} at step {RESUME_AT}" in r.stdout
+    assert f"resumed from {out / f'checkpoint-{RESUME_AT}'} at step {RESUME_AT}" in capsys.readouterr().out
     resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(trained / LORA_WEIGHTS_NAME)
     midway = load_file(trained / f"checkpoint-{RESUME_AT}" / LORA_WEIGHTS_NAME)
     assert resumed.keys() == uninterrupted.keys()
@@ -372,16 +382,7 @@ def test_full_finetune_with_ema_resumes_bit_exactly(tiny_models, tmp_path):
             "none",
             *extra,
         ]
-        r = subprocess.run(
-            [sys.executable, "-m", "refl_ddpo.trainers.refl", *args],
-            check=False,
-            cwd=REPO,
-            env=script_env(),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
+        refl.main(args)
 
     # validation (of the EMA weights) after every step in run a only: it must leave the training bit-exact
     run(
@@ -471,8 +472,9 @@ def test_script_reports_bad_input_in_one_line(tiny_models, tmp_path):
     assert not out.exists()
 
 
-def test_script_trains_with_the_config_files_values_over_its_own_defaults(tiny_models, tmp_path):
-    """train_refl_lora.sh's recipe (lr 1e-4, grad_scale 0.01) is a layer below --config: the file's lr is used."""
+def test_script_trains_with_the_config_files_values_over_its_own_defaults(tiny_models, tmp_path, monkeypatch):
+    """train_refl_lora.sh's recipe (lr 1e-4, grad_scale 0.01, read from the script) is a layer below --config: the
+    file's lr is used."""
     (tmp_path / "f.yaml").write_text("learning_rate: 0.02\nmax_train_steps: 1\n")
     flags = [
         f for f in _train_flags(tiny_models, tmp_path / "out", 1) if f not in ("--learning_rate", "3e-2")
@@ -482,7 +484,6 @@ def test_script_trains_with_the_config_files_values_over_its_own_defaults(tiny_m
         for i, f in enumerate(flags)
         if not (f == "--max_train_steps" or flags[i - 1] == "--max_train_steps")
     ]
-    r = _script([*flags, "--config", str(tmp_path / "f.yaml")])
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_in_process(monkeypatch, SCRIPT.name, [*flags, "--config", str(tmp_path / "f.yaml")])
     saved = json.loads((tmp_path / "out" / CONFIG_NAME).read_text())
     assert (saved["learning_rate"], saved["grad_scale"], saved["max_train_steps"]) == (0.02, 0.01, 1)

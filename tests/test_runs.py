@@ -2,7 +2,7 @@
 or LoRA is one line naming what to fix, exit != 0, before any model is loaded and with no weight file written or
 changed; checkpoint rotation keeps other runs' checkpoints; the processes of launch.sh die with their launcher, a
 process' user error is one line and a finished process of several skips the interpreter's teardown. One tiny finished
-ReFL run serves every resume case (checked in preflight mode)."""
+ReFL run (in this process) serves every resume case (checked in preflight mode)."""
 
 import hashlib
 import json
@@ -50,25 +50,13 @@ def _refl_flags(tiny_models, out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run_dir(tiny_models, tmp_path_factory) -> Path:
-    """A finished 2-step ReFL run with checkpoint-1 and checkpoint-2 (never changed by the tests)."""
+    """A finished 2-step ReFL run with checkpoint-1 and checkpoint-2 (never changed by the tests), run in this
+    process."""
     out = tmp_path_factory.mktemp("runs") / "run"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "refl_ddpo.trainers.refl",
-            *_refl_flags(tiny_models, out),
-            "--checkpointing_steps",
-            "1",
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("WORLD_SIZE", "RANK"):  # one process (as `_env` gives a subprocess)
+            mp.delenv(name, raising=False)
+        refl.main([*_refl_flags(tiny_models, out), "--checkpointing_steps", "1"])
     return out
 
 

@@ -361,30 +361,20 @@ def test_captions_confuse_partner_colours_at_the_asked_rate():
     assert after0 == after5 == after1
 
 
-def test_build_unet_from_a_folder(tmp_path):
+def test_build_unet_from_a_folder(tmp_path, capsys):
     """`toy_build OUT --unet_from --confuse_p P` trains only a fresh UNet on the committed VAE and text encoder (2
     steps here) and writes a loadable OUT/toy-sd/ with its checksums; a bad probability is a one-line error that
-    writes nothing."""
+    writes nothing (its main in this process: the check comes before anything is built)."""
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "refl_ddpo.testing.toy_build",
-            str(tmp_path / "bad"),
-            "--unet_from",
-            "--confuse_p",
-            "1.5",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "--confuse_p" in bad.stderr.strip().splitlines()[-1]
+    from refl_ddpo.testing import toy_build
+
+    with pytest.raises(SystemExit) as bad:
+        toy_build.main([str(tmp_path / "bad"), "--unet_from", "--confuse_p", "1.5"])
+    assert bad.value.code != 0 and "--confuse_p" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "bad").exists()
 
     # in a subprocess: the build switches torch to deterministic algorithms on one thread, for the whole process

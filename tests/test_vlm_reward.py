@@ -6,23 +6,19 @@ import base64
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_in_process, watch_training
 from PIL import Image
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.rewards import build_reward, is_differentiable
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "stand-in-vlm"
 
 
@@ -206,18 +202,15 @@ def test_vlm_bertscore_describes_then_scores(stand_in, tiny_models):
     )
 
 
-def test_prompt_image_alignment_preset_trains_end_to_end(stand_in, tiny_models, tmp_path):
+def test_prompt_image_alignment_preset_trains_end_to_end(stand_in, tiny_models, tmp_path, monkeypatch):
+    """train_ddpo.sh's trainer (in this process, under the script's recipe) with --preset prompt_image_alignment and
+    OPENAI_BASE_URL on the stand-in server: it trains (its LoRA moved, no base weight did), each image is described
+    once, the config names the preset."""
+    watch = watch_training(monkeypatch)
     url, handler = stand_in
     handler.mode = "describe"
     out = tmp_path / "pia"
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("GPUS", "NUM_PROCESSES")},
-        "PYTHON": sys.executable,
-        "PYTHONPATH": str(REPO),
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "OPENAI_BASE_URL": url,
-    }
+    monkeypatch.setenv("OPENAI_BASE_URL", url)
     args = [
         "--preset",
         "prompt_image_alignment",
@@ -247,16 +240,9 @@ def test_prompt_image_alignment_preset_trains_end_to_end(stand_in, tiny_models, 
         "none",
         "--async_reward_computation",
     ]
-    r = subprocess.run(
-        ["bash", str(REPO / "train_scripts" / "train_ddpo.sh"), *args],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_in_process(monkeypatch, "train_ddpo.sh", args)
     assert (out / LORA_WEIGHTS_NAME).is_file()
+    watch.assert_lora_moved_and_base_not(out)
     assert len(handler.requests) == 2  # one epoch of 2 images, each described once
     assert all(r["model"] == MODEL for r in handler.requests)
     config = json.loads((out / CONFIG_NAME).read_text())
