@@ -2,6 +2,7 @@
 environment of a trainer's shell script run in a subprocess."""
 
 import importlib
+import importlib.util
 import os
 import shlex
 import signal
@@ -11,6 +12,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+# docs/gen_flags.py (a script, not a package module): the flag reference's reader of the configs and shell scripts
+_spec = importlib.util.spec_from_file_location("gen_flags", REPO / "docs" / "gen_flags.py")
+gen_flags = sys.modules.setdefault("gen_flags", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(gen_flags)
 
 # ReFL's --backprop_steps variants and what its log calls them (parametrize "flags, described")
 DRAFT_CASES = [
@@ -212,12 +218,10 @@ def run_script(name: str, args: list[str], env: dict | None = None, timeout: int
 
 
 def script_recipe(name: str) -> tuple[str, str]:
-    """train_scripts/NAME's trainer module and its recipe: the defaults it hands to `launch` before the "--", as the
-    REFL_DDPO_DEFAULTS string launch.sh exports (a layer below --config and the flags)."""
-    text = (REPO / "train_scripts" / name).read_text().replace("\\\n", " ")
-    (line,) = [line for line in text.splitlines() if line.startswith("launch ")]
-    words = shlex.split(line)
-    return words[1], shlex.join(words[2 : words.index("--")])
+    """train_scripts/NAME's trainer module and its recipe: the defaults it hands to `launch` before the "--"
+    (docs/gen_flags.py's reading of the scripts), as the REFL_DDPO_DEFAULTS string launch.sh exports."""
+    module, defaults = gen_flags.script_launches(REPO / "train_scripts")[name]
+    return module, shlex.join(defaults)
 
 
 def run_in_process(monkeypatch, name: str, args: list[str]) -> None:

@@ -10,10 +10,10 @@ import importlib.util
 import io
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import gen_flags
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.run.flags import build_parser
@@ -21,9 +21,6 @@ from refl_ddpo.run.flags import build_parser
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 
-_spec = importlib.util.spec_from_file_location("gen_flags", REPO / "docs" / "gen_flags.py")
-gen_flags = sys.modules.setdefault("gen_flags", importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(gen_flags)
 
 # commands with a plain argparse parser (no config dataclass): where they are run from -> "module:parser factory"
 PLAIN_PARSERS = {
