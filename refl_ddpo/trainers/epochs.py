@@ -1,21 +1,21 @@
-"""The epoch every sample-then-train trainer shares (DDPO, GRPO, DiffusionNFT, AWM), as parts for the run skeleton:
-plan the epoch's prompts, sample, score (rewards gathered over all processes, the non-finite guard, advantages),
-report, train. A trainer supplies `plan_epoch`, `sample`, `advantages` and `train`; the counters, the checkpoint
-schedule, the reward pool and the logging are here.
+"""What the sample-then-train loops share (policy gradient: DDPO, GRPO; forward process: DiffusionNFT, AWM), as
+plain functions: the reward and its thread pool, scoring an epoch's samples (rewards gathered over all processes, the
+non-finite guard, the advantages), the epoch's report, its progress bars, its counters in checkpoint-N.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from refl_ddpo.trainers.ddpo_config import EpochConfig
-from refl_ddpo.trainers.skeleton import Algorithm, Run
+from refl_ddpo.run.session import Run
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
 # [images (B, 3, H, W) in [0, 1], prompts, prompt_metadata, rewards (B,), reward_metadata] batches, newest last.
@@ -78,157 +78,130 @@ class ScoredEpoch:
     dropped: int
 
 
-class EpochAlgorithm(Algorithm):
-    """An algorithm whose iteration is an epoch: sample with the current (or the old) weights, score, train."""
+# (finite gathered rewards (M,), their prompts, the group ids or None) -> (advantages (M,), stats to log)
+Advantages = Callable[[torch.Tensor, list[str], torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
 
-    unit = "epoch"
-    iterations_field = "num_epochs"
 
-    def __init__(self, cfg: EpochConfig, image_samples_hook: ImageSamplesHook | None = None):
-        super().__init__(cfg)
-        self.image_samples_hook = image_samples_hook
-        self.global_step = 0  # optimizer steps so far
+@dataclass
+class EpochCounters:
+    """Where a sample-then-train run stands: optimizer steps so far, the epoch this start began at and when (the
+    clock of the epoch line)."""
 
-    def build_reward(self, run: Run) -> None:
-        """run.reward from --reward (the VLM judges' model and question passed on)."""
-        from refl_ddpo.rewards import build_reward
+    global_step: int = 0
+    first_epoch: int = 0
+    started: float = field(default_factory=time.perf_counter)
 
-        cfg = self.cfg
-        vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
-        options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
-        run.reward = build_reward(
-            cfg.reward, run.accelerator.device, run.dtype, cfg.reward_model_dir, options=options
-        )
+    def state(self, done: int) -> dict:
+        """checkpoint-N's counters after `done` epochs."""
+        return {"epoch": done, "global_step": self.global_step}
 
-    # ---- state ----
+    def restore(self, counters: dict) -> int:
+        """From checkpoint-N's counters; returns the epochs done."""
+        self.first_epoch, self.global_step = int(counters["epoch"]), int(counters["global_step"])
+        return self.first_epoch
 
-    @property
-    def validation_every(self) -> int:
-        return self.cfg.validation_epochs
+    def resumed(self) -> str:
+        return f": {self.first_epoch} epoch(s) done, {self.global_step} optimizer step(s)"
 
-    def log_step(self, done: int) -> int:
-        return self.global_step
 
-    def checkpoint_due(self, done: int) -> bool:
-        return done % self.cfg.save_freq == 0 or done == self.cfg.num_epochs
+def build_epoch_reward(run: Run) -> None:
+    """run.reward from --reward (the VLM judges' model and question passed on)."""
+    from refl_ddpo.rewards import build_reward
 
-    def state(self, run: Run, done: int) -> tuple[dict, dict]:
-        return {"epoch": done, "global_step": self.global_step}, {}
+    cfg = run.cfg
+    vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
+    options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
+    run.reward = build_reward(
+        cfg.reward, run.accelerator.device, run.dtype, cfg.reward_model_dir, options=options
+    )
 
-    def load_state(self, run: Run, counters: dict, tensors: dict) -> int:
-        self.global_step = int(counters["global_step"])
-        return int(counters["epoch"])
 
-    def resumed(self, start: int) -> str:
-        return f": {start} epoch(s) done, {self.global_step} optimizer step(s)"
+@contextmanager
+def reward_pool(cfg: EpochConfig) -> Iterator[ThreadPoolExecutor | None]:
+    """The thread pool that scores while sampling goes on (--async_reward_computation), or None."""
+    executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
+    try:
+        yield executor
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
-    # ---- the loop ----
 
-    def begin(self, run: Run, start: int) -> None:
-        import time
+def score_epoch(
+    run: Run, epoch: int, batches: list, advantages: Advantages, groups: torch.Tensor | None = None
+) -> ScoredEpoch:
+    """Rewards (and `groups`, this process' group ids) gathered over all processes, the non-finite guard, the
+    advantages; this process' share of them."""
+    from accelerate.utils import gather_object
 
-        cfg = self.cfg
-        self.hook = self.image_samples_hook or default_image_hook(run.accelerator, f"{self.name}/samples")
-        self.executor = ThreadPoolExecutor(cfg.max_workers) if cfg.async_reward_computation else None
-        self.first_epoch, self.started = start, time.perf_counter()
+    from refl_ddpo.rewards import parse_reward_spec, reward_stats
 
-    def end(self, run: Run) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+    cfg, accelerator = run.cfg, run.accelerator
+    local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
+    all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
+    all_prompts = gather_object([p for b in batches for p in b.prompts])
+    finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
+    kept = [p for p, ok in zip(all_prompts, finite.tolist(), strict=True) if ok]
+    all_groups = None if groups is None else accelerator.gather(groups.to(accelerator.device)).cpu()[finite]
+    result = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
+    result[finite], extra = advantages(all_rewards[finite], kept, all_groups)
+    parts = {
+        part: accelerator.gather(
+            torch.cat([b.rewards[1][part].float() for b in batches]).to(accelerator.device)
+        ).cpu()[finite]
+        for part, _ in parse_reward_spec(cfg.reward)
+        if part in batches[0].rewards[1]
+    }
+    stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **extra}
+    dropped = len(all_rewards) - int(finite.sum())
+    if cfg.nonfinite_rewards == "drop":
+        stats[f"{run.name}/nonfinite_rewards_dropped"] = dropped
+    mine = result.reshape(accelerator.num_processes, -1)[run.rank]  # this process' samples
+    return ScoredEpoch(batches, mine, stats, len(all_rewards), dropped)
 
-    def finish(self, run: Run) -> dict[str, int]:
-        return {"epochs": self.cfg.num_epochs, "optimizer steps": self.global_step}
 
-    def iteration(self, run: Run, epoch: int) -> None:
-        """One epoch: plan, sample, score (advantages over all processes), report, train."""
-        plan = self.plan_epoch(run, epoch)
-        batches = self.sample(run, epoch, plan)
-        scored = self.score(run, epoch, plan, batches)
-        self.report(run, epoch, scored)
-        self.train(run, epoch, plan, scored)
+def report_epoch(
+    run: Run, epoch: int, counters: EpochCounters, scored: ScoredEpoch, hook: ImageSamplesHook | None = None
+) -> None:
+    """The epoch's reward stats to the trackers and the log line; its images to the hook (main process; default:
+    a captioned grid to the trackers)."""
+    from refl_ddpo.core.progress import run_clock
 
-    # ---- the parts of one epoch ----
+    cfg, accelerator = run.cfg, run.accelerator
+    accelerator.log({**scored.stats, f"{run.name}/epoch": epoch}, step=counters.global_step)
+    if not run.main:
+        return
+    clock = run_clock(
+        time.perf_counter() - counters.started, epoch + 1 - counters.first_epoch, cfg.num_epochs - epoch - 1
+    )
+    print(
+        f"epoch {epoch + 1}/{cfg.num_epochs} ({clock}): {scored.num_rewards} rewards from "
+        f"{accelerator.num_processes} process(es)"
+        + (f" ({scored.dropped} non-finite, dropped), " if scored.dropped else ", ")
+        + ", ".join(f"{k} {v:.4g}" for k, v in scored.stats.items()),
+        flush=True,
+    )
+    hook = hook or default_image_hook(accelerator, f"{run.name}/samples")
+    hook(
+        [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in scored.batches],
+        counters.global_step,
+        accelerator.trackers[0] if accelerator.trackers else None,
+    )
 
-    @abstractmethod
-    def plan_epoch(self, run: Run, epoch: int) -> EpochPlan:
-        """This process' prompts (and groups, noise) for the epoch, from streams seeded by (seed, epoch): resumable."""
 
-    @abstractmethod
-    def sample(self, run: Run, epoch: int, plan: EpochPlan) -> list:
-        """The epoch's samples as batches with `prompts`, `prompt_metadata`, `images` and `rewards` (scored, or a
-        future of the reward pool)."""
+def phase_bar(run: Run, epoch: int, phase: str, total: int, unit: str):
+    """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
+    from refl_ddpo.core.progress import progress_bar
 
-    @abstractmethod
-    def advantages(
-        self, run: Run, plan: EpochPlan, rewards: torch.Tensor, prompts: list[str], finite: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The finite gathered rewards' advantages, and stats to log."""
+    return progress_bar(
+        total,
+        f"epoch {epoch + 1}/{run.cfg.num_epochs} {phase}",
+        unit=unit,
+        leave=False,
+        enabled=run.accelerator.is_local_main_process,
+    )
 
-    @abstractmethod
-    def train(self, run: Run, epoch: int, plan: EpochPlan, scored: ScoredEpoch) -> None:
-        """Update the weights on the scored samples; count `self.global_step`."""
 
-    def score(self, run: Run, epoch: int, plan: EpochPlan, batches: list) -> ScoredEpoch:
-        """Rewards gathered over all processes, the non-finite guard, advantages; this process' share of them."""
-        from accelerate.utils import gather_object
-
-        from refl_ddpo.rewards import parse_reward_spec, reward_stats
-
-        cfg, accelerator, name = self.cfg, run.accelerator, self.name
-        local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
-        all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
-        all_prompts = gather_object([p for b in batches for p in b.prompts])
-        finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
-        advantages = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
-        advantages[finite], extra = self.advantages(run, plan, all_rewards, all_prompts, finite)
-        parts = {
-            part: accelerator.gather(
-                torch.cat([b.rewards[1][part].float() for b in batches]).to(accelerator.device)
-            ).cpu()[finite]
-            for part, _ in parse_reward_spec(cfg.reward)
-            if part in batches[0].rewards[1]
-        }
-        stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **extra}
-        dropped = len(all_rewards) - int(finite.sum())
-        if cfg.nonfinite_rewards == "drop":
-            stats[f"{name}/nonfinite_rewards_dropped"] = dropped
-        mine = advantages.reshape(accelerator.num_processes, -1)[run.rank]  # this process' samples
-        return ScoredEpoch(batches, mine, stats, len(all_rewards), dropped)
-
-    def report(self, run: Run, epoch: int, scored: ScoredEpoch) -> None:
-        """The epoch's reward stats to the trackers and the log line; its images to the hook (main process)."""
-        import time
-
-        from refl_ddpo.core.progress import run_clock
-
-        cfg, accelerator = self.cfg, run.accelerator
-        accelerator.log({**scored.stats, f"{self.name}/epoch": epoch}, step=self.global_step)
-        if not run.main:
-            return
-        clock = run_clock(
-            time.perf_counter() - self.started, epoch + 1 - self.first_epoch, cfg.num_epochs - epoch - 1
-        )
-        print(
-            f"epoch {epoch + 1}/{cfg.num_epochs} ({clock}): {scored.num_rewards} rewards from "
-            f"{accelerator.num_processes} process(es)"
-            + (f" ({scored.dropped} non-finite, dropped), " if scored.dropped else ", ")
-            + ", ".join(f"{k} {v:.4g}" for k, v in scored.stats.items()),
-            flush=True,
-        )
-        self.hook(
-            [[b.images, b.prompts, b.prompt_metadata, b.rewards[0], b.rewards[1]] for b in scored.batches],
-            self.global_step,
-            accelerator.trackers[0] if accelerator.trackers else None,
-        )
-
-    def phase_bar(self, run: Run, epoch: int, phase: str, total: int, unit: str):
-        """One bar per phase of an epoch (sampling, training), gone when it ends: the epoch's line stays."""
-        from refl_ddpo.core.progress import progress_bar
-
-        return progress_bar(
-            total,
-            f"epoch {epoch + 1}/{self.cfg.num_epochs} {phase}",
-            unit=unit,
-            leave=False,
-            enabled=run.accelerator.is_local_main_process,
-        )
+def checkpoint_due(cfg: EpochConfig, done: int) -> bool:
+    """checkpoint-N every --save_freq epochs and after the last."""
+    return done % cfg.save_freq == 0 or done == cfg.num_epochs
