@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from refl_ddpo.trainers.ddpo_config import EpochConfig
 from refl_ddpo.run.session import Run
+from refl_ddpo.trainers.ddpo_config import EpochConfig
 
 # A TRL-compatible image hook: (prompt_image_data, global_step, tracker) where prompt_image_data is a list of
 # [images (B, 3, H, W) in [0, 1], prompts, prompt_metadata, rewards (B,), reward_metadata] batches, newest last.
