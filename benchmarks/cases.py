@@ -54,7 +54,7 @@ def refl_case(
     FLUX.1-dev (its embedded guidance at the pipeline's 3.5, as the trainer resolves it unset)."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.backprop import draft_step, refl_step
+        from refl_ddpo.trainers.backprop import Rollout, draft_step, refl_step
 
         guidance = 1.0  # ReFL's rollout: CFG off
         if flux:
@@ -83,22 +83,20 @@ def refl_case(
             with acc.accumulate(unet):
                 cond, _ = family.encode_prompts(prompts, with_negative=False)
                 noise = family.initial_noise(batch, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                out = step_fn(
+                rollout = Rollout(
                     family,
                     scheduler,
-                    reward,
                     cond,
                     None,
                     prompts,
                     metadata,
                     noise,
-                    k,
-                    num_inference_steps=b.cfg.refl_steps,
-                    guidance_scale=guidance,
-                    grad_scale=b.cfg.grad_scale,
+                    b.cfg.refl_steps,
+                    guidance,
                     generator=b.generator,
                     network=unet,
                 )
+                out = step_fn(rollout, reward, k, grad_scale=b.cfg.grad_scale)
                 acc.backward(out.loss)
                 acc.clip_grad_norm_(params, 1.0)
                 optimizer.step()

@@ -139,7 +139,7 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str 
     transformer trained)."""
 
     def setup(b):
-        from refl_ddpo.trainers.backprop import refl_step
+        from refl_ddpo.trainers.backprop import Rollout, refl_step
 
         family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device, mode)
         if text_encoder_on_device:
@@ -159,22 +159,19 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str 
             with acc.accumulate(network):
                 cond = fixed_cond or family.encode_prompts(prompts, with_negative=False)[0]
                 noise = family.initial_noise(1, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                out = refl_step(
+                rollout = Rollout(
                     family,
                     scheduler,
-                    reward,
                     cond,
                     None,
                     prompts,
                     metadata,
                     noise,
-                    b.cfg.refl_k,
-                    num_inference_steps=b.cfg.refl_steps,
-                    guidance_scale=1.0,
-                    grad_scale=b.cfg.grad_scale,
+                    b.cfg.refl_steps,
                     generator=b.generator,
                     network=network,
                 )
+                out = refl_step(rollout, reward, b.cfg.refl_k, grad_scale=b.cfg.grad_scale)
                 acc.backward(out.loss)
                 acc.clip_grad_norm_(params, 1.0)
                 optimizer.step()

@@ -14,7 +14,7 @@ from refl_ddpo.core.families.sd3 import StableDiffusion3
 from refl_ddpo.core.lora import add_lora
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.trainers import refl
-from refl_ddpo.trainers.backprop import draft_step
+from refl_ddpo.trainers.backprop import Rollout, draft_step
 
 RES, T = 32, 6
 PROMPTS = ["a photo of a cat", "a red bird"]
@@ -81,22 +81,18 @@ def _inputs(path: Path, targets: list[str]):
 
 def _run(family, scheduler, reward, cond, uncond, noise, k, **kw):
     return draft_step(
-        family,
-        scheduler,
+        _rollout(family, scheduler, cond, uncond, noise),
         reward,
-        cond,
-        uncond,
-        PROMPTS,
-        [{}, {}],
-        noise,
         k,
-        num_inference_steps=T,
-        guidance_scale=3.0,
-        grad_scale=1.0,
         margin=10.0,  # far above the tiny reward: every sample pulls
-        generator=torch.Generator().manual_seed(1),
+        grad_scale=1.0,
         **kw,
     )
+
+
+def _rollout(family, scheduler, cond, uncond, noise):
+    generator = torch.Generator().manual_seed(1)
+    return Rollout(family, scheduler, cond, uncond, PROMPTS, [{}, {}], noise, T, 3.0, generator=generator)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +145,7 @@ def test_kl_over_draft_steps_is_the_mean_noise_prediction_mse_to_the_base(sd_set
     steps = draft_grad_steps(T, k)
     for p in params:
         p.grad = None
-    kl = kl_to_base(family, scheduler, out.denoised, steps, cond, uncond, 3.0)
+    kl = kl_to_base(_rollout(family, scheduler, cond, uncond, noise), out.denoised, steps)
     expected = []
     with torch.no_grad():
         for i in steps:

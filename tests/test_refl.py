@@ -23,7 +23,7 @@ from refl_ddpo.core.sampling import denoise
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers import refl
-from refl_ddpo.trainers.backprop import kl_to_base, refl_step
+from refl_ddpo.trainers.backprop import Rollout, kl_to_base, refl_step
 from refl_ddpo.trainers.refl import ReFLConfig, build_refl_reward
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,21 +71,10 @@ def test_imagereward_gradient_reaches_every_lora_param_and_nothing_else_moves(ti
     before = {n: p.detach().clone() for n, p in frozen.items()}
     lora_before = [p.detach().clone() for p in params]
 
-    out = refl_step(
-        family,
-        scheduler,
-        reward,
-        cond,
-        None,
-        PROMPTS,
-        [{}, {}],
-        noise,
-        6,
-        num_inference_steps=T,
-        margin=2.0,
-        grad_scale=1.0,
-        generator=torch.Generator().manual_seed(1),
+    rollout = Rollout(
+        family, scheduler, cond, None, PROMPTS, [{}, {}], noise, T, generator=torch.Generator().manual_seed(1)
     )
+    out = refl_step(rollout, reward, 6, margin=2.0, grad_scale=1.0)
     assert out.images.shape == (2, 3, RES, RES) and out.rewards.shape == (2,)
     assert out.rewards.requires_grad and out.images.requires_grad
     torch.testing.assert_close(out.loss, torch.relu(2.0 - out.rewards).mean())
@@ -107,21 +96,11 @@ def test_kl_term_is_the_noise_prediction_mse_to_the_base_model(tiny_models):
     pipe = family.pipe
     reward = build_reward("imagereward", "cpu", torch.float32, str(tiny_models))
     k = 5
-    out = refl_step(
-        family,
-        scheduler,
-        reward,
-        cond,
-        None,
-        PROMPTS,
-        [{}, {}],
-        noise,
-        k,
-        num_inference_steps=T,
-        generator=torch.Generator().manual_seed(1),
-        keep_trajectory=True,
+    rollout = Rollout(
+        family, scheduler, cond, None, PROMPTS, [{}, {}], noise, T, generator=torch.Generator().manual_seed(1)
     )
-    kl = kl_to_base(family, scheduler, out.denoised, k, cond, None, 1.0)
+    out = refl_step(rollout, reward, k, keep_trajectory=True)
+    kl = kl_to_base(rollout, out.denoised, k)
     assert all(p.requires_grad for p in params), "enable_adapters must make the LoRA trainable again"
     x_t, t = out.denoised.all_latents[k], out.denoised.timesteps[k]
     with torch.no_grad():

@@ -1,13 +1,15 @@
 """Reward backprop on a model family, one micro-batch at a time: ReFL's rollout with gradient at one late step k
 (ImageReward's Algorithm 1), DRaFT-K / AlignProp / DRaFT-LV (gradient through the last K steps of the whole run),
 the KL regulariser to the base model at the grad steps and the pretraining loss. The trainer
-(refl_ddpo.trainers.refl) draws K, sums the losses and steps the optimizer; the pure maths is in
+(refl_ddpo.trainers.reward_backprop) draws K, sums the losses and steps the optimizer; the pure maths is in
 refl_ddpo.algorithms.reward_backprop."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,26 @@ import torch.nn.functional as F
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, refl_loss, x0_kl
 from refl_ddpo.core.families import Cond, ModelFamily
 from refl_ddpo.core.sampling import DenoiseOutput, denoise
+from refl_ddpo.run.session import Run
+from refl_ddpo.trainers.refl_config import ReFLConfig
+
+
+@dataclass
+class Rollout:
+    """One micro-batch's rollout: the prompts, their conditioning, x_T and the sampler that takes them to an image."""
+
+    family: ModelFamily
+    scheduler: Any
+    cond: Cond
+    uncond: Cond | None  # CFG runs at every step when guidance_scale > 1 and uncond is given
+    prompts: list[str]
+    metadata: list[dict]
+    noise: torch.Tensor  # (B, C, h, w): x_T before `init_noise_sigma`
+    num_inference_steps: int
+    guidance_scale: float = 1.0
+    eta: float = 0.0
+    generator: torch.Generator | None = None  # the DDPM steps' noise (and DDIM's when eta > 0), DRaFT-LV's
+    network: Any = None  # the prepared network (default: the family's own)
 
 
 @dataclass
@@ -26,72 +48,39 @@ class ReFLStepOutput:
 
 
 def refl_step(
-    family: ModelFamily,
-    scheduler,
-    reward,
-    cond: Cond,
-    uncond: Cond | None,
-    prompts: list[str],
-    metadata: list[dict],
-    noise: torch.Tensor,
-    k: int,
-    *,
-    num_inference_steps: int,
-    guidance_scale: float = 1.0,
-    margin: float = 2.0,
-    grad_scale: float = 1e-3,
-    eta: float = 0.0,
-    generator: torch.Generator | None = None,
-    keep_trajectory: bool = False,
-    network=None,
+    r: Rollout, reward, k: int, margin: float = 2.0, grad_scale: float = 1e-3, keep_trajectory: bool = False
 ) -> ReFLStepOutput:
     """ImageReward's ReFL loss for one micro-batch: steps 0..k-1 without grad, step k with grad, decode the
-    predicted x0, score it. Call under grad mode; `backward()` on `.loss` reaches the trainable network weights.
-
-    `noise` (B, C, h, w) is x_T before `init_noise_sigma`; `generator` drives the DDPM steps' noise (and DDIM's when
-    eta > 0); CFG runs at every step when guidance_scale > 1 and `uncond` is given.
-    """
+    predicted x0, score it. Call under grad mode; `backward()` on `.loss` reaches the trainable network weights."""
     denoised = denoise(
-        family,
-        scheduler,
-        cond,
-        uncond,
-        noise,
-        num_inference_steps,
-        guidance_scale,
-        eta=eta,
-        generator=generator,
+        r.family,
+        r.scheduler,
+        r.cond,
+        r.uncond,
+        r.noise,
+        r.num_inference_steps,
+        r.guidance_scale,
+        eta=r.eta,
+        generator=r.generator,
         grad_steps={k},
         stop_at=k,
         keep_trajectory=keep_trajectory,
-        network=network,
+        network=r.network,
     )
-    images = family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
-    rewards, _ = reward(images, prompts, metadata)  # [B]
+    images = r.family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
+    rewards, _ = reward(images, r.prompts, r.metadata)  # [B]
     return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised)
 
 
 def draft_step(
-    family: ModelFamily,
-    scheduler,
+    r: Rollout,
     reward,
-    cond: Cond,
-    uncond: Cond | None,
-    prompts: list[str],
-    metadata: list[dict],
-    noise: torch.Tensor,
     k: int,
-    *,
-    num_inference_steps: int,
-    guidance_scale: float = 1.0,
     margin: float = 2.0,
     grad_scale: float = 1e-3,
-    eta: float = 0.0,
-    generator: torch.Generator | None = None,
     lv_copies: int = 0,
     checkpoint_network: bool = True,
     keep_trajectory: bool = False,
-    network=None,
 ) -> ReFLStepOutput:
     """DRaFT-K (Clark et al. 2023, Algorithm 1) and, with K drawn per step by the caller, AlignProp (Prabhudesai et
     al. 2023): the whole T-step run, steps 0..T-K-1 without grad and the last K with grad, the final latents decoded
@@ -100,8 +89,8 @@ def draft_step(
 
     DRaFT-LV (`lv_copies` N, K = 1; Clark et al. Algorithm 2): N more copies of the last step, each on the final
     latents (detached) re-noised to the last step's timestep by the forward process with fresh noise from
-    `generator`, denoised with grad in one batched call; the loss averages the rewards of all 1 + N images.
-    `.rewards` and `.images` are those of the sampler's own final images (B,), as in ReFL.
+    the rollout's generator, denoised with grad in one batched call; the loss averages the rewards of all 1 + N
+    images. `.rewards` and `.images` are those of the sampler's own final images (B,), as in ReFL.
     """
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -109,61 +98,55 @@ def draft_step(
 
     if lv_copies and k != 1:
         raise ValueError(f"DRaFT-LV re-noises the last step only: lv_copies={lv_copies} needs k=1, got {k}")
+    family, scheduler, generator = r.family, r.scheduler, r.generator
     denoised = denoise(
         family,
         scheduler,
-        cond,
-        uncond,
-        noise,
-        num_inference_steps,
-        guidance_scale,
-        eta=eta,
+        r.cond,
+        r.uncond,
+        r.noise,
+        r.num_inference_steps,
+        r.guidance_scale,
+        eta=r.eta,
         generator=generator,
-        grad_steps=draft_grad_steps(num_inference_steps, k),
+        grad_steps=draft_grad_steps(r.num_inference_steps, k),
         checkpoint_grad_steps=checkpoint_network and k > 1,
         keep_trajectory=keep_trajectory,
-        network=network,
+        network=r.network,
     )
-    batch = len(prompts)
+    prompts, metadata = r.prompts, r.metadata
     finals = [denoised.latents]  # (B, C, h, w) with graph through the last k steps
     if lv_copies:
         t, t_host = denoised.timesteps[-1], scheduler.timesteps[-1]  # the last step's timestep (device, host)
         x0 = denoised.latents.detach().repeat(lv_copies, 1, 1, 1)  # (N B, C, h, w)
         eps = randn_tensor(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)
         x_t = family.add_noise(scheduler, x0, eps, t_host)  # N fresh draws of x_t ~ q(x_t | x0)
-        cond_n = cond_cat([cond] * lv_copies)
-        uncond_n = None if uncond is None else cond_cat([uncond] * lv_copies)
-        model_output = family.predict(x_t, t, scheduler, cond_n, uncond_n, guidance_scale, network)
-        copies, _ = family.step(scheduler, model_output, t_host, x_t, eta, generator)
+        cond_n = cond_cat([r.cond] * lv_copies)
+        uncond_n = None if r.uncond is None else cond_cat([r.uncond] * lv_copies)
+        model_output = family.predict(x_t, t, scheduler, cond_n, uncond_n, r.guidance_scale, r.network)
+        copies, _ = family.step(scheduler, model_output, t_host, x_t, r.eta, generator)
         finals.append(copies)
         prompts, metadata = prompts * (1 + lv_copies), metadata * (1 + lv_copies)
     images = family.decode(torch.cat(finals))  # [(1 + N) B, 3, H, W] in [0, 1]
     rewards, _ = reward(images, prompts, metadata)  # [(1 + N) B]
     loss = refl_loss(rewards, margin, grad_scale)
-    return ReFLStepOutput(loss, rewards[:batch], images[:batch], denoised)
+    return ReFLStepOutput(loss, rewards[: len(r.prompts)], images[: len(r.prompts)], denoised)
 
 
-def kl_to_base(
-    family: ModelFamily,
-    scheduler,
-    denoised: DenoiseOutput,
-    steps: int | Collection[int],
-    cond: Cond,
-    uncond: Cond | None,
-    guidance_scale: float,
-) -> torch.Tensor:
+def kl_to_base(r: Rollout, denoised: DenoiseOutput, steps: int | Collection[int]) -> torch.Tensor:
     """The KL regulariser over the grad steps: at each step i of `steps` (ReFL's one step k, or DRaFT's last K),
     mean((eps_lora - eps_base)^2) over batch and latent elements on SD (`algorithms.reward_backprop.x0_kl`), then the
     mean over the steps. The base is the family's network with the LoRA adapter switched off, under no grad, with
     the same x_t, t, prompts and CFG. `denoised` must come from a rollout with `keep_trajectory=True`."""
     from refl_ddpo.core.lora import adapters_off
 
+    family, scheduler = r.family, r.scheduler
     steps = [steps] if isinstance(steps, int) else list(steps)
     terms = []
     for i in steps:
         x_t, t = denoised.all_latents[i], denoised.timesteps[i]
         with adapters_off(family.network):
-            out_base = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale)
+            out_base = family.predict(x_t, t, scheduler, r.cond, r.uncond, r.guidance_scale)
             # A throwaway generator: the step's noise is not used, and the run's own streams must not move.
             _, x0_base = family.step(scheduler, out_base, t, x_t, 0.0, torch.Generator().manual_seed(0))
         terms.append(x0_kl(denoised.all_pred_x0[i], x0_base, family.x0_kl_weight(scheduler, t)))
@@ -200,3 +183,124 @@ def pretrain_loss(
     # the family's network call (SDXL adds its pooled text and time ids); DDPM's scale_model_input is the identity
     pred = family.predict(noisy, timesteps, noise_scheduler, cond, None, 1.0, network)
     return F.mse_loss(pred.float(), target.float())
+
+
+# ---- the reward-backprop trainer's micro-batch (refl_ddpo.trainers.reward_backprop) ----
+
+
+@dataclass
+class TrainingData:
+    """The training prompts (`PromptDraw`) and the image-caption folder of the pretraining loss (or None)."""
+
+    prompts: Any
+    pretrain: Any
+
+
+@dataclass
+class Parts:
+    """What the loop calls: the sampler, the backprop strategy (ReFL's step or DRaFT's, chosen once), the data."""
+
+    sampler: Any
+    backprop: Any  # (rollout, reward, k) -> ReFLStepOutput
+    data: TrainingData
+    noise_scheduler: Any  # the pretraining loss's forward process (or None)
+
+
+def draw_k(cfg: ReFLConfig, k_generator: torch.Generator) -> int:
+    """This optimizer step's K, the same on every process: ReFL's grad step k ~ U{k_lo..k_hi}; DRaFT-K's fixed K
+    (no draw); AlignProp's K ~ U{lo..hi} steps with grad at the end of the run."""
+    backprop = cfg.backprop_range()
+    if backprop is None:
+        return int(torch.randint(cfg.k_lo, cfg.k_hi + 1, (), generator=k_generator))
+    lo, hi = backprop
+    return lo if lo == hi else int(torch.randint(lo, hi + 1, (), generator=k_generator))
+
+
+def draw_rollout(run: Run, parts: Parts, generator: torch.Generator) -> Rollout:
+    """A micro-batch's prompts and x_T from this process' generator, the prompts encoded."""
+    cfg, family = run.cfg, run.family
+    prompts, metadata = parts.data.prompts(cfg.train_batch_size, generator)
+    cond, uncond = family.encode_prompts(prompts, with_negative=cfg.guidance_scale > 1.0)
+    noise = family.initial_noise(cfg.train_batch_size, cfg.resolution, generator, cond["prompt_embeds"].dtype)
+    return Rollout(
+        family,
+        parts.sampler,
+        cond,
+        uncond,
+        prompts,
+        metadata,
+        noise,
+        cfg.num_inference_steps,
+        cfg.guidance_scale,
+        cfg.eta,
+        generator,
+        run.network,
+    )
+
+
+def regularised(
+    run: Run, parts: Parts, rollout: Rollout, out: ReFLStepOutput, k: int, generator: torch.Generator
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The reward loss plus --kl_weight times the KL to the base at the grad step(s) and --pretrain_loss_weight
+    times the pretraining loss on a batch of the image-caption folder; the terms' values to log."""
+    cfg = run.cfg
+    loss, terms = out.loss, {"refl": out.loss.item(), "kl": 0.0, "pretrain": 0.0}
+    if cfg.kl_weight > 0:
+        steps = k if cfg.backprop_range() is None else draft_grad_steps(cfg.num_inference_steps, k)
+        kl = kl_to_base(rollout, out.denoised, steps)
+        loss = loss + cfg.kl_weight * kl
+        terms["kl"] = kl.item()
+    pretrain = parts.data.pretrain
+    if pretrain is not None:
+        pidx = torch.randint(len(pretrain), (cfg.pretrain_batch_size,), generator=generator)
+        images, captions = pretrain.batch(pidx.tolist(), cfg.resolution)
+        pl = pretrain_loss(run.family, run.network, parts.noise_scheduler, images, captions, generator)
+        loss = loss + cfg.pretrain_loss_weight * pl
+        terms["pretrain"] = pl.item()
+    return loss, terms
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's result: the loss's terms (for the logs), the gathered rewards, the step's output."""
+
+    terms: dict[str, float]
+    rewards: torch.Tensor  # (processes * B,), gathered
+    out: ReFLStepOutput
+    prompts: list[str]
+
+
+def checked(
+    run: Run, step: int, out: ReFLStepOutput, loss: torch.Tensor, terms: dict, prompts: list[str]
+) -> MicroBatch:
+    """The rewards gathered now, so that a non-finite one on any process stops every process together."""
+    from refl_ddpo.rewards import count_nonfinite
+    from refl_ddpo.run.training import nonfinite_step_error
+
+    rewards = run.accelerator.gather(out.rewards.detach())
+    bad = count_nonfinite(rewards)
+    if bad:
+        raise nonfinite_step_error(
+            run.cfg.output_dir,
+            f"--reward {run.cfg.reward} gave {bad} non-finite reward(s) (NaN or inf) of {len(rewards)} samples at "
+            f"step {step + 1}",
+            "check the reward and its files in --reward_model_dir",
+        )
+    return MicroBatch(terms, rewards, out, prompts)
+
+
+def clipped_grad_norm(run: Run, step: int, results: list[MicroBatch]) -> torch.Tensor:
+    """The pre-clipping norm of the all-reduced gradient (no clipping when --max_grad_norm is 0); a non-finite one
+    (the same on every process) stops the run before the update."""
+    from refl_ddpo.run.training import nonfinite_step_error
+
+    cfg = run.cfg
+    grad_norm = run.accelerator.clip_grad_norm_(run.params, cfg.max_grad_norm or math.inf)
+    if not math.isfinite(float(grad_norm)):
+        loss = sum(r.terms["refl"] for r in results) / cfg.gradient_accumulation_steps
+        raise nonfinite_step_error(
+            cfg.output_dir,
+            f"the gradient norm is {float(grad_norm)} at step {step + 1} (ReFL loss {loss:.4g})",
+            "lower --learning_rate or --grad_scale, or check the reward's gradient",
+        )
+    return grad_norm
