@@ -175,11 +175,11 @@ def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts
 def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
     tiny_models, tmp_path, monkeypatch, request
 ):
-    """The kit's prepare step (skeleton.prepare) on a full fine-tune of tiny FLUX.1 held on the host, counted with
+    """The kit's prepare step (refl_ddpo.run.session.prepare) on a full fine-tune of tiny FLUX.1 held on the host, counted with
     the memory bench's tools: rank 0 of 2 fake ranks, the meta device as the GPU (benchmarks.meta.fake_ranks), its
     bytes counted (PeakMemory). fully_shard moves each block whole to the device and keeps the shard: the device
     peak stays under the whole fp32 network, which a reference to the unsharded parameters kept through prepare
-    (run.params before skeleton.prepare let go of it) would hold there whole beside the shards."""
+    (run.params before session.prepare let go of it) would hold there whole beside the shards."""
     from types import SimpleNamespace
 
     from diffusers import FluxTransformer2DModel
@@ -187,8 +187,8 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
 
     from benchmarks.meta import PeakMemory, fake_ranks, round_block
     from refl_ddpo.core.sharding import fsdp_plugin, hold_fsdp_state, local, release_fsdp_state
+    from refl_ddpo.run.session import Run, prepare
     from refl_ddpo.run.training import TrainableSpec, make_accelerator, make_optimizer, make_trainable
-    from refl_ddpo.trainers.skeleton import Run, prepare
 
     def move(params, buffers, device):
         """FSDP2's _move_states_to_device, with swap_tensors where its `.data =` refuses CPU -> meta (as it takes
@@ -228,7 +228,9 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
         params = make_trainable(network, spec)
         whole = sum(round_block(p.numel() * 4) for p in params)  # fp32, as the device's blocks
         optimizer = make_optimizer(params, learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
-        run = Run(None, accelerator, SimpleNamespace(network=network), params, torch.bfloat16, None)
+        run = Run(
+            None, "refl", "step", accelerator, SimpleNamespace(network=network), params, torch.bfloat16, None
+        )
         run.optimizer = optimizer
         del params, optimizer, network
         assert mem.live == 0  # the network is on the host

@@ -73,7 +73,7 @@ def _finite(x: float) -> float | None:
 
 @dataclass(frozen=True)
 class ValidationSpec:
-    """What validation draws and how (the --validation_* flags, resolved): built once by the skeleton; the model
+    """What validation draws and how (the --validation_* flags, resolved): built once by refl_ddpo.run.session; the model
     card's examples draw the same images again from it."""
 
     prompts_file: str | None  # --validation_prompts_file; None: no validation
