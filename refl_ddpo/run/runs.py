@@ -9,7 +9,7 @@ A training output folder belongs to one run:
                                          LoRA or unet/ and the optimizer
     output_dir/checkpoint-N/checkpoint.json   written last: run id, trainer, N, process count, the settings a
                                          resumed run must share (`resume_fit.RESUME_SETTINGS`) and every file's size
-    output_dir/config.json, pytorch_lora_weights.safetensors or unet/   the final weights (training.save_final)
+    output_dir/config.json, pytorch_lora_weights.safetensors or unet/   the final weights (session.finish_run)
 
 A checkpoint is *complete* when its checkpoint.json is there and every file it lists has the listed size; `latest`
 resumes the newest complete one. A new run refuses a folder that already holds a run unless
@@ -39,7 +39,7 @@ from refl_ddpo.run.resume_fit import check_resume_fits
 
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
-FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # training.save_final writes these
+FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # session.finish_run writes these
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 # checkpoints.save_checkpoint's folder before its rename
 TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")

@@ -276,27 +276,57 @@ def save_run_checkpoint(run: Run, done: int, counters: dict, tensors: dict[str, 
 
 
 def finish_run(run: Run, progress: dict[str, int]) -> Path:
-    """The final weights, the config and the model card at the top of output_dir (and the hub); a check that every
-    process holds the same weights. Returns output_dir."""
-    from refl_ddpo.run.training import check_identical_weights, save_final
+    """The final LoRA (diffusers format), the resolved config (config.json) and the model card README.md
+    (refl_ddpo.run.model_card) at the top of output_dir; then, with --push_to_hub, the upload (main process); a
+    check that every process holds the same weights. A local base model is recorded by its absolute path, so that
+    inference_lora.py finds it from any working directory. `progress` ("optimizer steps": N, ...) goes to the card.
+    Returns output_dir."""
+    import os
 
-    cfg, accelerator = run.cfg, run.accelerator
-    save_final(
-        accelerator,
-        run.network,
-        run.family,
-        run.name,
-        progress,
-        output_dir=cfg.output_dir,
-        config=cfg.to_dict(),
-        validation=validation_spec(cfg),
-        repo_id=run.repo_id,
-        hub_token=cfg.hub_token,
-        run_id=run.info.run_id,
-    )
+    from refl_ddpo.core.lora import save_lora
+    from refl_ddpo.core.sharding import gathered_state, is_sharded
+    from refl_ddpo.run.checkpoints import check_finite_weights
+    from refl_ddpo.run.training import check_identical_weights
+    from refl_ddpo.run.zero import unwrap
+
+    cfg, accelerator, network, output_dir = run.cfg, run.accelerator, run.network, run.cfg.output_dir
+    config = cfg.to_dict()
+    accelerator.wait_for_everyone()
+    check_finite_weights(unwrap(accelerator, network), f"not saving the final weights to {output_dir}")
+    state = None
+    if is_sharded(accelerator):  # gathered from the shards by every process, written once by the main one
+        state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
+    if accelerator.is_main_process:
+        from refl_ddpo.run.model_card import CARD_NAME, model_card
+
+        saved = dict(config)
+        if os.path.exists(config["pretrained_model"]):
+            saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
+        save_lora(unwrap(accelerator, network), output_dir, config=saved, state=state)
+        family = run.family
+        card = model_card(
+            output_dir,
+            config,
+            validation_spec(cfg),
+            run.name,
+            family.name,
+            type(family.network).__name__,
+            family.network_name,
+            progress,
+            run.repo_id,
+        )
+        card.save(Path(output_dir) / CARD_NAME)
+        print(f"saved final weights, config.json and {CARD_NAME} to {output_dir}", flush=True)
+    accelerator.wait_for_everyone()
+    if run.repo_id is not None and accelerator.is_main_process:  # after the barrier: the others may finish
+        from refl_ddpo.run.hub_push import push_run
+
+        done = ", ".join(f"{v} {k}" for k, v in progress.items())
+        url = push_run(run.repo_id, output_dir, f"{run.name}: {done}", run.info.run_id, token=cfg.hub_token)
+        print(f"pushed to the hub repo {run.repo_id}: {url}", flush=True)
     check_identical_weights(accelerator, run.params)
     accelerator.end_training()
-    return Path(cfg.output_dir)
+    return Path(output_dir)
 
 
 def main_for(

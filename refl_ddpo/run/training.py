@@ -6,21 +6,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.images import caption_grid
-from refl_ddpo.core.lora import add_lora, save_lora, trainable_full_unet
-from refl_ddpo.run.checkpoints import check_finite_weights, register_network_hooks
+from refl_ddpo.core.lora import add_lora, trainable_full_unet
+from refl_ddpo.run.checkpoints import register_network_hooks
 from refl_ddpo.run.config import CommonConfig
 from refl_ddpo.run.launch import PREFLIGHT_ENV
 from refl_ddpo.run.outputs import log_grid
-from refl_ddpo.run.zero import unwrap
-
-if TYPE_CHECKING:
-    from refl_ddpo.run.validation import ValidationSpec
 
 # ---- the main / preflight shape ----
 
@@ -357,62 +352,6 @@ def nonfinite_step_error(output_dir: str, what: str, fix: str) -> UserError:
     found = list_checkpoints(output_dir)
     newest = f"{found[-1]} stays the newest checkpoint" if found else "no checkpoint was written"
     return UserError(f"{what}; stopped before the update, nothing of it was saved ({newest}): {fix}.")
-
-
-def save_final(
-    accelerator,
-    network,
-    family,
-    trainer: str,
-    progress: dict[str, int],
-    *,
-    output_dir: str,
-    config: dict,
-    validation: ValidationSpec,
-    repo_id: str | None = None,
-    hub_token: str | None = None,
-    run_id: str | None = None,
-) -> None:
-    """The final LoRA (diffusers format), the resolved `config` (a dict, `to_dict`) and the model card README.md
-    (refl_ddpo.run.model_card) at the top of `output_dir`; then, with a `repo_id` (--push_to_hub), the upload there
-    (main process). A local base model is recorded by its absolute path, so that inference_lora.py finds it from any
-    working directory."""
-    from refl_ddpo.core.sharding import gathered_state, is_sharded
-
-    accelerator.wait_for_everyone()
-    check_finite_weights(unwrap(accelerator, network), f"not saving the final weights to {output_dir}")
-    state = None
-    if is_sharded(accelerator):  # gathered from the shards by every process, written once by the main one
-        state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
-    if accelerator.is_main_process:
-        from refl_ddpo.run.model_card import CARD_NAME, model_card
-
-        saved = dict(config)
-        if os.path.exists(config["pretrained_model"]):
-            saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
-        save_lora(unwrap(accelerator, network), output_dir, config=saved, state=state)
-        card = model_card(
-            output_dir,
-            config,
-            validation,
-            trainer,
-            family.name,
-            type(family.network).__name__,
-            family.network_name,
-            progress,
-            repo_id,
-        )
-        card.save(Path(output_dir) / CARD_NAME)
-        print(f"saved final weights, config.json and {CARD_NAME} to {output_dir}", flush=True)
-    accelerator.wait_for_everyone()
-    if (
-        repo_id is not None and accelerator.is_main_process
-    ):  # after the barrier: the others may finish meanwhile
-        from refl_ddpo.run.hub_push import push_run
-
-        done = ", ".join(f"{v} {k}" for k, v in progress.items())
-        url = push_run(repo_id, output_dir, f"{trainer}: {done}", run_id, token=hub_token)
-        print(f"pushed to the hub repo {repo_id}: {url}", flush=True)
 
 
 # ---- logging ----
