@@ -90,6 +90,32 @@ def base_weights(family) -> dict:
     }
 
 
+KIT_FRAMES = (
+    3  # issue 63: at most 3 of the kit's own frames from a trainer's loop to the network's forward call
+)
+LOOP_MODULES = ("reward_backprop.py", "policy_gradient.py", "forward_process.py")
+
+
+def kit_frames_below_loop(frame) -> list[str] | None:
+    """The kit's frames (refl_ddpo/ files, as 'module.function') between `frame` and the nearest trainer loop above it
+    (a family module's `train`), innermost last; None when no loop is above it or validation's code is."""
+    import refl_ddpo
+
+    package = str(Path(refl_ddpo.__file__).parent)
+    names = []
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename
+        if code.co_name == "train" and path.endswith(LOOP_MODULES):
+            return names[::-1]
+        if path.endswith("validation.py") and path.startswith(package):
+            return None
+        if path.startswith(package):
+            names.append(f"{Path(path).stem}.{code.co_name}")
+        frame = frame.f_back
+    return None
+
+
 class TrainingWatch:
     """What `watch_training` saw of the trainer runs in this process, one record per run (per load of a trainable
     family): the family, its LoRA's tensors at the start (peft's names, as `read_lora_state` reads a saved LoRA), a
@@ -122,6 +148,16 @@ class TrainingWatch:
         moved = [n for n, p in base_weights(seen["family"]).items() if not torch.equal(p, seen["base"][n])]
         assert seen["base"] and not moved, f"base weights moved: {moved[:3]}"
 
+    def assert_loop_near_the_network(self, run: int = -1, most: int = KIT_FRAMES) -> None:
+        """Every network call of run `run`'s training loop was at most `most` of the kit's own frames below the
+        loop (its family module's `train`); validation's calls (refl_ddpo/run/validation.py) aside."""
+        counts = self.runs[run]["frames"]
+        assert counts, "no network call was seen below a trainer's loop"
+        deepest = max(counts, key=lambda c: len(c))
+        assert len(deepest) <= most, (
+            f"{len(deepest)} kit frames from the loop to the network: {' -> '.join(deepest)}"
+        )
+
 
 def watch_training(monkeypatch) -> TrainingWatch:
     """Watch every trainer run in this process (`refl_ddpo.trainers.NAME.main(flags)`): right after its family is
@@ -145,6 +181,14 @@ def watch_training(monkeypatch) -> TrainingWatch:
         for name, p in network.named_parameters():
             if p.requires_grad:
                 p.register_hook(lambda g, name=name: seen["graded"].add(name) if g.abs().sum() > 0 else None)
+        seen["frames"] = []
+
+        def count_frames(module, args, frames=seen["frames"]):
+            names = kit_frames_below_loop(sys._getframe(1))
+            if names is not None and names not in frames:
+                frames.append(names)
+
+        network.register_forward_pre_hook(count_frames)
         watch.runs.append(seen)
         return family, params, dtype
 

@@ -434,6 +434,7 @@ def test_refl_trains_a_lora_that_loads_in_the_stock_pipeline_and_the_card_names_
     printed = capsys.readouterr().out
     assert f"model family: {spec.name}" in printed and f"sampler: {spec.refl_sampler}" in printed
     watch.assert_lora_moved_and_base_not(out)
+    watch.assert_loop_near_the_network()
     assert_lora_changes_stock_images(_stock(spec, tiny_models / spec.model), out, RES, part=spec.part)
     records = validation_files(out)
     assert [r["count"] for r in records] == [0, 2] and {r["family"] for r in records} == {spec.name}
@@ -459,13 +460,15 @@ def test_draft_k_alignprop_and_draft_lv_run_two_steps(
     assert described in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     watch.assert_lora_moved_and_base_not(out)
+    watch.assert_loop_near_the_network()
 
 
 @pytest.mark.parametrize("trainer", ["ddpo", "grpo", "nft", "awm"])
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_runs_two_epochs(name, trainer, tiny_models, tmp_path, capsys, monkeypatch):
-    """DDPO, GRPO (KL to the base on), DiffusionNFT and AWM for two epochs: the LoRA moved and no base weight did;
-    DDPO's and GRPO's change the stock pipeline's images."""
+    """DDPO, GRPO (KL to the base on), DiffusionNFT and AWM for two epochs: the LoRA moved and no base weight did,
+    every network call of the loop was at most 3 kit frames below it; DDPO's and GRPO's change the stock pipeline's
+    images."""
     spec = FAMILIES[name]
     watch = watch_training(monkeypatch)
     out = tmp_path / trainer
@@ -476,5 +479,6 @@ def test_trainer_runs_two_epochs(name, trainer, tiny_models, tmp_path, capsys, m
     assert "epoch 2/2" in capsys.readouterr().out
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     watch.assert_lora_moved_and_base_not(out)
+    watch.assert_loop_near_the_network()
     if trainer in ("ddpo", "grpo"):
         assert_lora_changes_stock_images(_stock(spec, tiny_models / spec.model), out, RES, part=spec.part)
