@@ -9,7 +9,8 @@ from typing import Literal
 import torch
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.run.config import ConfigBase, field_
+from refl_ddpo.run.config import ConfigBase
+from refl_ddpo.run.parts import field_
 
 CASES = (
     "refl",

@@ -315,3 +315,50 @@ def test_files_that_are_not_utf8_name_the_line_and_byte(tmp_path):
         UserError, match=r"--config .*c.yaml is not UTF-8 text: byte 0xff at offset 10 \(line 2\)"
     ):
         parse_config(CommonConfig, ["--config", str(tmp_path / "c.yaml")])
+
+
+# ---- the configs are composed of small parts (issue #63) ----
+
+CONFIG_MODULES = (
+    "refl_ddpo.run.parts",
+    "refl_ddpo.run.config",
+    "refl_ddpo.trainers.epoch_parts",
+    "refl_ddpo.trainers.ddpo_config",
+    "refl_ddpo.trainers.ddpo_presets",
+    "refl_ddpo.trainers.groups",
+    "refl_ddpo.trainers.grpo_config",
+    "refl_ddpo.trainers.forward_config",
+    "refl_ddpo.trainers.refl_config",
+)
+
+
+def _levels(cls: type) -> int:
+    """How many classes stand between `cls` and object, on its longest line of bases (a part of object: 1)."""
+    return 0 if cls is object else 1 + max(_levels(base) for base in cls.__bases__)
+
+
+def test_configs_are_parts_two_levels_deep_with_presets_in_their_bodies():
+    """Each trainer's config inherits parts and nothing else (config -> part -> object, the methods mixin a part),
+    and no config module patches a class after its body (`X.PRESETS = ...`): presets and aliases are in it."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+    from refl_ddpo.trainers.forward_config import AWMConfig, NFTConfig
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    configs = [CommonConfig, ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig]
+    parts = {base for cls in configs for base in cls.__bases__}
+    assert not parts & set(configs), "a config built on another config"
+    assert {cls.__name__: _levels(cls) for cls in configs} == {cls.__name__: 2 for cls in configs}
+    assert {p.__name__ for p in parts if _levels(p) != 1} == set()
+    assert all(
+        "PRESETS" in cls.__dict__ for cls in (ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig)
+    )
+    for name in CONFIG_MODULES:
+        path = Path(importlib.import_module(name).__file__)
+        for node in ast.parse(path.read_text()).body:
+            targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+            patched = [t for t in targets if isinstance(t, ast.Attribute)]
+            assert not patched, f"{path.name}:{node.lineno} assigns {ast.unparse(patched[0])} after its class"

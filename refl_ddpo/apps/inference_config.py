@@ -21,7 +21,8 @@ from refl_ddpo.core.lora import (
 )
 from refl_ddpo.core.models import check_pretrained_model
 from refl_ddpo.core.prompts import DATA_DIR
-from refl_ddpo.run.config import ConfigBase, field_, guidance_field
+from refl_ddpo.run.config import ConfigBase
+from refl_ddpo.run.parts import field_, guidance_field
 
 DEFAULT_PROMPTS_FILE = DATA_DIR / "eval_prompts.txt"
 DEFAULT_BASE_MODEL = "checkpoint/stable-diffusion-v1-4"  # relative to where the command runs (the repo root)

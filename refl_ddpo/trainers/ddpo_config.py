@@ -1,156 +1,46 @@
-"""DDPO's config: TRL `DDPOConfig` field names, ddpo-pytorch `config/base.py` defaults, its experiments as presets."""
+"""DDPO's config: TRL `DDPOConfig` field names, ddpo-pytorch `config/base.py` defaults, its experiments as presets;
+`EpochConfig`, the checks of every sample-then-train trainer's config (its parts: refl_ddpo.trainers.epoch_parts)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.prompts import check_prompt_source, load_prompts
 from refl_ddpo.rewards import parse_reward_spec
-from refl_ddpo.run.config import CommonConfig, field_, guidance_field
+from refl_ddpo.run.config import SHARED_PARTS, check_shared
+from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
+from refl_ddpo.trainers.epoch_parts import (
+    RecipePart,
+    RewardsPart,
+    SamplingPart,
+    SchedulePart,
+    TrainingPart,
+)
+
+DDPO_ALIASES = {
+    "num_inference_steps": "sample_num_steps",
+    "guidance_scale": "sample_guidance_scale",
+    "gradient_accumulation_steps": "train_gradient_accumulation_steps",
+    "validation_steps": "validation_epochs",
+}
 
 
-@dataclass(frozen=True)
-class EpochConfig(CommonConfig):
-    """What every sample-then-train trainer (DDPO, GRPO, DiffusionNFT, AWM) shares: the prompts and the reward, the
-    epoch's sampling and training sizes, the run length, validation by epoch. Defaults: ddpo-pytorch
-    config/base.py."""
+class EpochConfig:
+    """The checks of every sample-then-train trainer's config (DDPO, GRPO, DiffusionNFT, AWM), a part of each: the
+    epoch's sizes, the trained steps, the reward's server and the prompt source; a trainer's own part refines the
+    sampler's and the loss's checks (`_check_sampler`, `_check_objective`)."""
 
     TRAINER: ClassVar[str] = "DDPO"  # the trainer's name in messages
-
-    preset: str | None = field_(
-        None,
-        "A recipe as defaults (ddpo-pytorch's config/dgx.py experiments, or toy_world / toy_world_sd3); --config and "
-        "flags override it. prompt_image_alignment asks a VLM on an OpenAI-compatible server (OPENAI_BASE_URL) to "
-        "describe each image and rewards the BERTScore recall of the prompt (reward vlm_bertscore).",
-        group="recipe",
-    )
-    reward: str = field_(
-        "jpeg_compressibility",
-        "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
-        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server); "
-        "your own reward_fn(images, prompts, metadata) -> (rewards, info) as pkg.module:function.",
-        group="reward and prompts",
-    )
-    prompt_fn: str | None = field_(
-        None,
-        "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
-        "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green / toy_world_cyan (its 2 "
-        "training prompts of one colour word), toy_world_cyan_anchored (cyan's 2 and 2 magenta prompts the toy-sd3 "
-        "base draws right), from_file (--prompts_file), or your own prompt_fn() -> (prompt, "
-        "metadata) as pkg.module:function (given an `rng` keyword if it takes one: a random.Random seeded per "
-        "epoch, the same on every process); default from_file when --prompts_file is given, else imagenet_animals.",
-    )
-    sample_num_steps: int = field_(
-        50, "Denoising steps per sampled trajectory (the policy's horizon).", group="sampling"
-    )
-    sample_guidance_scale: float | None = guidance_field(
-        5.0, "Classifier-free guidance scale when sampling (1 turns CFG off)."
-    )
-    sample_batch_size: int = field_(1, "Images per sampling batch, per GPU.")
-    sample_num_batches_per_epoch: int = field_(
-        2, "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images."
-    )
-    train_batch_size: int = field_(
-        1, "Samples per training micro-batch, per GPU (divides --sample_batch_size)."
-    )
-    train_gradient_accumulation_steps: int = field_(
-        1,
-        "Micro-batches per optimizer step; each micro-batch also accumulates over its trained timesteps.",
-        group="training",
-    )
-    train_num_inner_epochs: int = field_(1, "Passes over each epoch's samples (PPO inner epochs).")
-    train_timestep_fraction: float = field_(
-        1.0,
-        "Fraction of each trajectory's steps trained on, chosen at random per sample, in (0, 1].",
-        flags=("--timestep_fraction",),
-    )
-    train_skip_last_steps: int = field_(
-        0,
-        "Never train on the last N sampler steps (--train_timestep_fraction is then a fraction of the other "
-        "steps). Their tiny noise scale makes their log-probability gradients the largest while they change only "
-        "fine detail; skipping them focuses the update on the steps that decide the image's content.",
-    )
-    train_adv_clip_max: float = field_(5.0, "Advantages are clipped to [-this, this].")
-    nonfinite_rewards: Literal["error", "drop"] = field_(
-        "error",
-        "A NaN or inf reward stops the run (error, before that epoch's update); drop trains on the epoch's other "
-        "samples instead (a dropped sample gets advantage 0 and stays out of the reward statistics; the count is "
-        "logged as ddpo/nonfinite_rewards_dropped). All of an epoch's rewards non-finite always stops.",
-        group="rewards",
-    )
-    vlm_model: str | None = field_(
-        None,
-        "Model that vlm_judge / vlm_bertscore ask on their OpenAI-compatible server; default: the first of its "
-        "/v1/models.",
-    )
-    vlm_question: str | None = field_(
-        None,
-        "Question vlm_judge / vlm_bertscore ask about each image ({prompt} is replaced by the prompt); default: "
-        "'Does this image show {prompt}? Answer yes or no.' / 'Describe this image in one sentence.'",
-    )
-    async_reward_computation: bool = field_(
-        False, "Compute rewards in a thread pool while sampling continues."
-    )
-    max_workers: int = field_(2, "Threads of the reward pool (with --async_reward_computation).")
-    num_epochs: int = field_(
-        100,
-        "Epochs (sample, then train) to run in total, counting resumed ones.",
-        group="run length and state",
-    )
-    save_freq: int = field_(
-        20, "Save accelerate state to output_dir/checkpoint-N every this many epochs (and at the end)."
-    )
-    output_dir: str = field_(
-        "checkpoint/ddpo_lora",
-        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
-        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
-        group="data and output",
-    )
-    learning_rate: float = field_(3e-4, "AdamW learning rate.")
-    adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")
-    checkpoints_total_limit: int | None = field_(
-        5, "Keep at most this many checkpoint-N folders (None = all)."
-    )
-    num_inference_steps: int | None = field_(
-        None,
-        "Alias of --sample_num_steps (the common flag); if both are set to different values it is an error.",
-    )
-    guidance_scale: float | None = field_(
-        None,
-        "Alias of --sample_guidance_scale (the common flag); if both are set to different values it is an "
-        "error.",
-    )
-    gradient_accumulation_steps: int | None = field_(
-        None,
-        "Alias of --train_gradient_accumulation_steps (the common flag); if both are set to different values "
-        "it is an error.",
-    )
-    checkpointing_steps: int = field_(0, "Not used: this trainer saves by epoch, use --save_freq.")
-    validation_epochs: int = field_(
-        10,
-        "With --validation_prompts_file: validate every N epochs, besides before the first epoch and after the "
-        "last (0 = only then).",
-        group="validation (by epoch)",
-        ge=0,
-    )
-    validation_steps: int | None = field_(
-        None,
-        "Alias of --validation_epochs: this trainer validates by epoch (an epoch = sampling, then training).",
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.prompt_fn is None:  # during construction: the config is frozen afterwards
-            object.__setattr__(self, "prompt_fn", "from_file" if self.prompts_file else "imagenet_animals")
+    ALIASES: ClassVar[dict[str, str]] = DDPO_ALIASES
 
     def check(self) -> None:
         self.check_numbers()  # first: NaN != NaN would read as an alias disagreeing with its field
         self._check_aliases()
-        super().check()
+        check_shared(self)
         if self.checkpointing_steps != 0:
             raise UserError(
                 f"--checkpointing_steps is not used by {self.TRAINER}, which checkpoints by epoch: use --save_freq "
@@ -264,8 +154,9 @@ class EpochConfig(CommonConfig):
 
 
 @dataclass(frozen=True)
-class DDPOConfig(EpochConfig):
-    """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+class PPOPart:
+    """DDPO's own fields, which GRPO (the same PPO-clip trainer) shares: the stochastic sampler's eta, the clip, CFG
+    in training, the KL to the base model, the per-prompt reward statistics."""
 
     sample_eta: float = field_(
         1.0, "DDIM eta of the sampler; must be > 0, the step log-probabilities need noise.", group="sampling"
@@ -322,20 +213,26 @@ class DDPOConfig(EpochConfig):
             )
 
 
-DDPO_ALIASES = {
-    "num_inference_steps": "sample_num_steps",
-    "guidance_scale": "sample_guidance_scale",
-    "gradient_accumulation_steps": "train_gradient_accumulation_steps",
-    "validation_steps": "validation_epochs",
-}
+# An epoch trainer's parts, last first (see refl_ddpo.run.config.SHARED_PARTS): a trainer lists its own before them.
+EPOCH_PARTS = (EpochConfig, SchedulePart, RewardsPart, TrainingPart, SamplingPart, RecipePart, *SHARED_PARTS)
+
+
+@dataclass(frozen=True)
+class DDPOConfig(PPOPart, *EPOCH_PARTS):
+    """DDPO with LoRA. Defaults: ddpo-pytorch config/base.py (JPEG compressibility on ImageNet animals)."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = DDPO_PRESETS
+
+    output_dir: str = field_(
+        "checkpoint/ddpo_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
 
 
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
-
-EpochConfig.ALIASES = DDPO_ALIASES
-DDPOConfig.PRESETS = DDPO_PRESETS
 
 
 def num_train_timesteps(cfg: DDPOConfig) -> int:

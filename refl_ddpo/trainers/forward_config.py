@@ -4,10 +4,11 @@ groups, with the papers' SD3.5-M recipes and the toy world as presets."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.run.config import field_, guidance_field
+from refl_ddpo.run.parts import field_, guidance_field
+from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.groups import GroupConfig
 
@@ -15,9 +16,9 @@ SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
 
 
 @dataclass(frozen=True)
-class ForwardConfig(GroupConfig):
-    """What DiffusionNFT and AWM share: clean samples from a deterministic sampler, group advantages, the denoising
-    loss on forward-noised samples at the sampler's timesteps, an old policy updated softly each epoch."""
+class ForwardConfig:
+    """What DiffusionNFT and AWM share, a part of their configs: clean samples from a deterministic sampler, the
+    denoising loss on forward-noised samples at the sampler's timesteps, an old policy updated softly each epoch."""
 
     sample_num_steps: int = field_(
         10,
@@ -90,8 +91,6 @@ class ForwardConfig(GroupConfig):
         "itself an EMA of them) or raw (the trained weights as the last step left them). checkpoint-N's LoRA "
         "holds the trained weights (a resume continues from them) and its train_state the EMA.",
     )
-    learning_rate: float = field_(3e-4, "AdamW learning rate.")
-    adam_weight_decay: float = field_(1e-4, "AdamW weight decay.")
 
     TRAINER: ClassVar[str] = "NFT"
 
@@ -111,87 +110,6 @@ class ForwardConfig(GroupConfig):
                 f"--kl_weight needs --use_lora: the base model is the network with the LoRA switched off; use "
                 f"--kl_weight 0 to fine-tune all of {self.TRAINER}'s network."
             )
-
-
-@dataclass(frozen=True)
-class NFTConfig(ForwardConfig):
-    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) with LoRA: sample clean images with the old policy, turn
-    group advantages into optimality probabilities, train the implicit positive and negative policies on the forward
-    process. Defaults: the reference's SD3.5-M settings (NVlabs/DiffusionNFT config/nft.py) at one GPU's batch."""
-
-    nft_beta: float = field_(
-        1.0,
-        "beta of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v: how far "
-        "a step moves from the old policy (1.0 for GenEval / PickScore in the reference, 0.1 for OCR).",
-        group="DiffusionNFT",
-        gt=0,
-    )
-    ema_decay_max: float = field_(
-        0.9,
-        "The EMA of the trained weights (--release_weights ema) has decay min((1 + s) / (10 + s), this) after "
-        "optimizer step s, as the reference's (0.9: it averages over the last ~10 steps).",
-        ge=0,
-        lt=1,
-    )
-    output_dir: str = field_(
-        "checkpoint/nft_lora",
-        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
-        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
-        group="data and output",
-    )
-
-
-@dataclass(frozen=True)
-class AWMConfig(ForwardConfig):
-    """Advantage Weighted Matching (Xue et al. 2025) with LoRA, as Flow-Factory's trainers/awm.py: the negative
-    (weighted) matching loss stands in for the log-likelihood in a PPO-clip objective, with KL terms to the base
-    model and to an EMA of the weights (the old policy). Samples come from the current weights."""
-
-    awm_weighting: Literal["uniform", "t", "ghuber"] = field_(
-        "ghuber",
-        "Weighting of the matching loss m by the noise level t: uniform (-m), t (-t m), ghuber (-(m^p - eps^p) t / "
-        "p, Flow-Factory's default).",
-        group="AWM",
-    )
-    ghuber_power: float = field_(0.25, "p of the ghuber weighting.", gt=0)
-    train_clip_range: float = field_(
-        1.0, "PPO clip range c of the ratio exp(ll - ll_old): clipped to [1 - c, 1 + c].", gt=0
-    )
-    old_kl_weight: float = field_(
-        1.0,
-        "Weight of mean((output - output_old)^2) to the EMA of the weights (the old policy), which steadies "
-        "training (Flow-Factory's ema_kl_beta). 0 = off.",
-        ge=0,
-    )
-    old_decay_rate: float = field_(
-        0.0003, "Growth of d per tick of --old_decay_clock (an epoch) after the flat part.", ge=0
-    )
-    old_decay_max: float = field_(
-        0.3, "The largest d (Flow-Factory's EMA decay 0.3 reached over 1000 epochs).", ge=0, le=1
-    )
-    old_decay_clock: Literal["steps", "epochs"] = field_(
-        "epochs",
-        "What d's clock counts: epochs (the 0-based index of the epoch just trained, so d = 0 after the first; "
-        "Flow-Factory's ema_step(step=epoch)) or steps (the optimizer steps done when the epoch ends; "
-        "DiffusionNFT's global_step).",
-    )
-    train_timesteps: Literal["per_sample", "stratified"] = field_(
-        "stratified",
-        "Which sampler timesteps a micro-batch trains at: stratified (one set for the whole micro-batch: the "
-        "steps with t >= (1 - --train_timestep_range) x 1000 less the first, cut into as many equal spans as "
-        "timesteps are trained, one drawn in each; Flow-Factory's AWM, `discrete_wo_init`) or per_sample (each "
-        "sample its own random --train_timestep_fraction of them). Neither trains the last "
-        "--train_skip_last_steps.",
-    )
-    train_adv_clip_max: float = field_(1.0, "Advantages are clipped to [-this, this].")
-    output_dir: str = field_(
-        "checkpoint/awm_lora",
-        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
-        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
-        group="data and output",
-    )
-
-    TRAINER: ClassVar[str] = "AWM"
 
 
 _SD35M = {  # both papers' SD3.5-M setting; their rewards (GenEval, OCR) are not shipped: PickScore is
@@ -258,7 +176,7 @@ _TOY_SD3 = {
     "lora_target_modules": ["add_k_proj", "add_v_proj"],
 }
 
-NFTConfig.PRESETS = {
+NFT_PRESETS: dict[str, dict[str, Any]] = {
     # NVlabs/DiffusionNFT config/nft.py sd3_pickscore: 10 deterministic steps (their 2nd-order solver; ours is the
     # family's Euler / DDIM step), CFG-free, groups of 24 from 48 prompts over 8 GPUs, beta 1, decay type 1.
     "nft_sd35m": {
@@ -276,7 +194,7 @@ NFTConfig.PRESETS = {
     "toy_world": _TOY,
     "toy_world_sd3": _TOY_SD3,
 }
-AWMConfig.PRESETS = {
+AWM_PRESETS: dict[str, dict[str, Any]] = {
     # X-GenGroup/Flow-Factory examples/awm/lora/sd3_5/default.yaml: 14 ODE steps, CFG-free, groups of 16 from 48
     # prompts, ghuber weighting, clip 1, advantages clipped to 1, KL 1e-4 to the base and 1 to the EMA, 6 timesteps
     # stratified over indices 1..11 (t >= 100: sigma 0.97 .. 0.36) and shared by the batch, the EMA's decay on an
@@ -304,3 +222,88 @@ AWMConfig.PRESETS = {
     "toy_world": {**_TOY, "train_timesteps": "per_sample"},
     "toy_world_sd3": {**_TOY_SD3, "train_timesteps": "per_sample"},
 }
+
+
+@dataclass(frozen=True)
+class NFTConfig(ForwardConfig, GroupConfig, *EPOCH_PARTS):
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) with LoRA: sample clean images with the old policy, turn
+    group advantages into optimality probabilities, train the implicit positive and negative policies on the forward
+    process. Defaults: the reference's SD3.5-M settings (NVlabs/DiffusionNFT config/nft.py) at one GPU's batch."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = NFT_PRESETS
+
+    nft_beta: float = field_(
+        1.0,
+        "beta of the implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v: how far "
+        "a step moves from the old policy (1.0 for GenEval / PickScore in the reference, 0.1 for OCR).",
+        group="DiffusionNFT",
+        gt=0,
+    )
+    ema_decay_max: float = field_(
+        0.9,
+        "The EMA of the trained weights (--release_weights ema) has decay min((1 + s) / (10 + s), this) after "
+        "optimizer step s, as the reference's (0.9: it averages over the last ~10 steps).",
+        ge=0,
+        lt=1,
+    )
+    output_dir: str = field_(
+        "checkpoint/nft_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
+
+
+@dataclass(frozen=True)
+class AWMConfig(ForwardConfig, GroupConfig, *EPOCH_PARTS):
+    """Advantage Weighted Matching (Xue et al. 2025) with LoRA, as Flow-Factory's trainers/awm.py: the negative
+    (weighted) matching loss stands in for the log-likelihood in a PPO-clip objective, with KL terms to the base
+    model and to an EMA of the weights (the old policy). Samples come from the current weights."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = AWM_PRESETS
+
+    awm_weighting: Literal["uniform", "t", "ghuber"] = field_(
+        "ghuber",
+        "Weighting of the matching loss m by the noise level t: uniform (-m), t (-t m), ghuber (-(m^p - eps^p) t / "
+        "p, Flow-Factory's default).",
+        group="AWM",
+    )
+    ghuber_power: float = field_(0.25, "p of the ghuber weighting.", gt=0)
+    train_clip_range: float = field_(
+        1.0, "PPO clip range c of the ratio exp(ll - ll_old): clipped to [1 - c, 1 + c].", gt=0
+    )
+    old_kl_weight: float = field_(
+        1.0,
+        "Weight of mean((output - output_old)^2) to the EMA of the weights (the old policy), which steadies "
+        "training (Flow-Factory's ema_kl_beta). 0 = off.",
+        ge=0,
+    )
+    old_decay_rate: float = field_(
+        0.0003, "Growth of d per tick of --old_decay_clock (an epoch) after the flat part.", ge=0
+    )
+    old_decay_max: float = field_(
+        0.3, "The largest d (Flow-Factory's EMA decay 0.3 reached over 1000 epochs).", ge=0, le=1
+    )
+    old_decay_clock: Literal["steps", "epochs"] = field_(
+        "epochs",
+        "What d's clock counts: epochs (the 0-based index of the epoch just trained, so d = 0 after the first; "
+        "Flow-Factory's ema_step(step=epoch)) or steps (the optimizer steps done when the epoch ends; "
+        "DiffusionNFT's global_step).",
+    )
+    train_timesteps: Literal["per_sample", "stratified"] = field_(
+        "stratified",
+        "Which sampler timesteps a micro-batch trains at: stratified (one set for the whole micro-batch: the "
+        "steps with t >= (1 - --train_timestep_range) x 1000 less the first, cut into as many equal spans as "
+        "timesteps are trained, one drawn in each; Flow-Factory's AWM, `discrete_wo_init`) or per_sample (each "
+        "sample its own random --train_timestep_fraction of them). Neither trains the last "
+        "--train_skip_last_steps.",
+    )
+    train_adv_clip_max: float = field_(1.0, "Advantages are clipped to [-this, this].")
+    output_dir: str = field_(
+        "checkpoint/awm_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
+
+    TRAINER: ClassVar[str] = "AWM"

@@ -10,16 +10,16 @@ import torch
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families import ModelFamily
-from refl_ddpo.run.config import field_
+from refl_ddpo.run.parts import field_
 from refl_ddpo.run.training import seeded_generator, stream_seed
-from refl_ddpo.trainers.ddpo_config import EpochConfig
 from refl_ddpo.trainers.rollouts import epoch_groups
 
 
 @dataclass(frozen=True)
-class GroupConfig(EpochConfig):
-    """Prompts sampled in groups (GRPO, DiffusionNFT, AWM): each prompt of an epoch is sampled --group_size times
-    and a sample's advantage is its reward against its group's."""
+class GroupConfig:
+    """Prompts sampled in groups (GRPO, DiffusionNFT, AWM), a part of their configs (before `EpochConfig`, whose
+    checks its own follow): each prompt of an epoch is sampled --group_size times and a sample's advantage is its
+    reward against its group's."""
 
     group_size: int = field_(
         8,

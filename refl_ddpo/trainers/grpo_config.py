@@ -4,83 +4,15 @@ and FLUX.1-dev recipes (and its Fast window), DanceGRPO's FLUX.1-dev recipe and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.run.config import field_
-from refl_ddpo.trainers.ddpo_config import DDPO_ALIASES, DDPOConfig
+from refl_ddpo.run.parts import field_
+from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS, PPOPart
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, group_sizes
 
 __all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "group_sizes"]
-
-
-@dataclass(frozen=True)
-class GRPOConfig(GroupConfig, DDPOConfig):
-    """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
-    --group_size times and a sample's advantage is its reward against its group's. Defaults: DDPO's, with group
-    advantages in place of the per-prompt buffer and two groups of 8 per epoch."""
-
-    sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
-    sample_num_batches_per_epoch: int = field_(
-        2,
-        "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images, "
-        "in groups of --group_size.",
-    )
-    sde_window: int = field_(
-        0,
-        "Stochastic-and-trained steps only in a window of this many consecutive sampler steps, deterministic "
-        "steps (DDIM eta 0, the flow ODE step) elsewhere (Flow-GRPO-Fast, MixGRPO); 0 = every step stochastic.",
-    )
-    sde_window_start: int | None = field_(
-        None,
-        "First step of the window (0 = the first sampler step); None draws it per epoch, uniformly among the "
-        "windows that end before the last --train_skip_last_steps steps, the same on every process.",
-    )
-    per_prompt_stat_tracking: bool = field_(
-        False,
-        "Not used by GRPO (its advantages are normalised within groups); must stay off.",
-        group="advantages",
-    )
-    output_dir: str = field_(
-        "checkpoint/grpo_lora",
-        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
-        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
-        group="data and output",
-    )
-
-    def check(self) -> None:
-        super().check()
-        if self.per_prompt_stat_tracking:
-            raise UserError(
-                "--per_prompt_stat_tracking is DDPO's; GRPO normalises each reward within its group "
-                "(--group_size, --global_std): drop the flag."
-            )
-        if self.sde_window < 0:
-            raise UserError(f"--sde_window must be >= 0 (got {self.sde_window}); 0 = every step stochastic.")
-        if self.sde_window:
-            # the window ends at or before step `last`
-            last = self.sample_num_steps - self.train_skip_last_steps
-            steps = super().trainable_steps_name()
-            if self.sde_window > last:
-                raise UserError(
-                    f"--sde_window {self.sde_window} is longer than the {steps} "
-                    f"= {last} steps it may cover: shorten it (or --train_skip_last_steps)."
-                )
-            if self.sde_window_start is not None and not 0 <= self.sde_window_start <= last - self.sde_window:
-                raise UserError(
-                    f"--sde_window_start {self.sde_window_start} with --sde_window {self.sde_window} leaves "
-                    f"the {last} trainable steps ({steps}): use a start in "
-                    f"[0, {last - self.sde_window}], or None to draw it per epoch."
-                )
-        elif self.sde_window_start is not None:
-            raise UserError("--sde_window_start needs --sde_window W > 0 (the window's length).")
-
-    def trainable_steps(self) -> int:
-        return self.sde_window or super().trainable_steps()
-
-    def trainable_steps_name(self) -> str:
-        return "--sde_window" if self.sde_window else super().trainable_steps_name()
 
 
 GRPO_PRESETS: dict[str, dict[str, Any]] = {
@@ -307,5 +239,72 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
     "validation_num_steps": 50,
 }
 
-GRPOConfig.ALIASES = DDPO_ALIASES
-GRPOConfig.PRESETS = GRPO_PRESETS
+
+@dataclass(frozen=True)
+class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
+    """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
+    --group_size times and a sample's advantage is its reward against its group's. Defaults: DDPO's, with group
+    advantages in place of the per-prompt buffer and two groups of 8 per epoch."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = GRPO_PRESETS
+
+    sample_batch_size: int = field_(8, "Images per sampling batch, per GPU.")
+    sample_num_batches_per_epoch: int = field_(
+        2,
+        "Sampling batches per epoch, per GPU: an epoch has sample_batch_size x this x processes images, "
+        "in groups of --group_size.",
+    )
+    sde_window: int = field_(
+        0,
+        "Stochastic-and-trained steps only in a window of this many consecutive sampler steps, deterministic "
+        "steps (DDIM eta 0, the flow ODE step) elsewhere (Flow-GRPO-Fast, MixGRPO); 0 = every step stochastic.",
+    )
+    sde_window_start: int | None = field_(
+        None,
+        "First step of the window (0 = the first sampler step); None draws it per epoch, uniformly among the "
+        "windows that end before the last --train_skip_last_steps steps, the same on every process.",
+    )
+    per_prompt_stat_tracking: bool = field_(
+        False,
+        "Not used by GRPO (its advantages are normalised within groups); must stay off.",
+        group="advantages",
+    )
+    output_dir: str = field_(
+        "checkpoint/grpo_lora",
+        "Where the final LoRA, its config.json and checkpoint-N/ go. A folder that already holds a run is refused "
+        "unless --resume_from_checkpoint continues it or --overwrite_output_dir replaces it.",
+        group="data and output",
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.per_prompt_stat_tracking:
+            raise UserError(
+                "--per_prompt_stat_tracking is DDPO's; GRPO normalises each reward within its group "
+                "(--group_size, --global_std): drop the flag."
+            )
+        if self.sde_window < 0:
+            raise UserError(f"--sde_window must be >= 0 (got {self.sde_window}); 0 = every step stochastic.")
+        if self.sde_window:
+            # the window ends at or before step `last`
+            last = self.sample_num_steps - self.train_skip_last_steps
+            steps = super().trainable_steps_name()
+            if self.sde_window > last:
+                raise UserError(
+                    f"--sde_window {self.sde_window} is longer than the {steps} "
+                    f"= {last} steps it may cover: shorten it (or --train_skip_last_steps)."
+                )
+            if self.sde_window_start is not None and not 0 <= self.sde_window_start <= last - self.sde_window:
+                raise UserError(
+                    f"--sde_window_start {self.sde_window_start} with --sde_window {self.sde_window} leaves "
+                    f"the {last} trainable steps ({steps}): use a start in "
+                    f"[0, {last - self.sde_window}], or None to draw it per epoch."
+                )
+        elif self.sde_window_start is not None:
+            raise UserError("--sde_window_start needs --sde_window W > 0 (the window's length).")
+
+    def trainable_steps(self) -> int:
+        return self.sde_window or super().trainable_steps()
+
+    def trainable_steps_name(self) -> str:
+        return "--sde_window" if self.sde_window else super().trainable_steps_name()

@@ -5,16 +5,56 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.run.config import CommonConfig, field_, guidance_field
+from refl_ddpo.run.config import SHARED_PARTS, check_shared
+from refl_ddpo.run.parts import field_, guidance_field
 from refl_ddpo.toy_world import DATA_DIR as TOY_WORLD_DIR
+
+# The toy world's ReFL recipe: toy-sd, its classifier as the differentiable reward, the 12 training prompts, the
+# gradient step anywhere after the first 3 of 10 (docs/toy_world.md).
+REFL_PRESETS: dict[str, dict] = {
+    "toy_world": {
+        "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
+        "reward_model_dir": str(TOY_WORLD_DIR),
+        "reward": "toy_classifier",
+        "prompts_file": "toy_world_train",
+        "resolution": 32,
+        "scheduler": "ddim",
+        "guidance_scale": 7.5,
+        "num_inference_steps": 10,
+        "k_lo": 3,  # the colour is decided early: the grad step ranges over all but the first steps
+        "k_hi": 9,
+        "learning_rate": 1e-3,
+        "grad_scale": 1.0,
+        "train_batch_size": 8,
+        "max_train_steps": 160,
+        "image_log_steps": 20,
+        # the 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, every 80 steps
+        "validation_prompts_file": "toy_world_heldout",
+        "validation_steps": 80,
+        "num_validation_images": 2,
+        "validation_num_steps": 20,
+    },
+}
+# The same on toy-sd3 (flow matching): the colour word cyan ("a cyan circle" held out), 40 steps, LoRA on the text
+# stream's keys / values only (docs/toy_world.md; with more targets it breaks the shapes: docs/record/toy_world.md).
+REFL_PRESETS["toy_world_sd3"] = {
+    **REFL_PRESETS["toy_world"],
+    "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
+    "prompts_file": "toy_world_cyan",
+    "max_train_steps": 40,
+    "validation_steps": 40,
+    "lora_target_modules": ["add_k_proj", "add_v_proj"],
+}
 
 
 @dataclass(frozen=True)
-class ReFLConfig(CommonConfig):
+class ReFLConfig(*SHARED_PARTS):
     """ReFL (ImageReward's Reward Feedback Learning) on Stable Diffusion, LoRA or full network, one or many GPUs."""
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = REFL_PRESETS
 
     output_dir: str = field_(
         "checkpoint/refl_lora",
@@ -144,6 +184,7 @@ class ReFLConfig(CommonConfig):
 
     def check(self) -> None:
         super().check()
+        check_shared(self)
         self.check_positive("max_train_steps", "grad_scale", "pretrain_batch_size")
         self._check_steps()
         self._check_rollout_and_reward()
@@ -296,42 +337,3 @@ def resolve_gradient_accumulation(cfg: ReFLConfig, num_processes: int) -> ReFLCo
             f"--total_batch_size {cfg.total_batch_size} (which gives {steps}); pass only one of them."
         )
     return dataclasses.replace(cfg, gradient_accumulation_steps=steps)
-
-
-# The toy world's ReFL recipe: toy-sd, its classifier as the differentiable reward, the 12 training prompts, the
-# gradient step anywhere after the first 3 of 10 (docs/toy_world.md).
-REFL_PRESETS: dict[str, dict] = {
-    "toy_world": {
-        "pretrained_model": str(TOY_WORLD_DIR / "toy-sd"),
-        "reward_model_dir": str(TOY_WORLD_DIR),
-        "reward": "toy_classifier",
-        "prompts_file": "toy_world_train",
-        "resolution": 32,
-        "scheduler": "ddim",
-        "guidance_scale": 7.5,
-        "num_inference_steps": 10,
-        "k_lo": 3,  # the colour is decided early: the grad step ranges over all but the first steps
-        "k_hi": 9,
-        "learning_rate": 1e-3,
-        "grad_scale": 1.0,
-        "train_batch_size": 8,
-        "max_train_steps": 160,
-        "image_log_steps": 20,
-        # the 6 held-out colour / shape combinations, 2 seeds each, 20 deterministic steps, every 80 steps
-        "validation_prompts_file": "toy_world_heldout",
-        "validation_steps": 80,
-        "num_validation_images": 2,
-        "validation_num_steps": 20,
-    },
-}
-# The same on toy-sd3 (flow matching): the colour word cyan ("a cyan circle" held out), 40 steps, LoRA on the text
-# stream's keys / values only (docs/toy_world.md; with more targets it breaks the shapes: docs/record/toy_world.md).
-REFL_PRESETS["toy_world_sd3"] = {
-    **REFL_PRESETS["toy_world"],
-    "pretrained_model": str(TOY_WORLD_DIR / "toy-sd3"),
-    "prompts_file": "toy_world_cyan",
-    "max_train_steps": 40,
-    "validation_steps": 40,
-    "lora_target_modules": ["add_k_proj", "add_v_proj"],
-}
-ReFLConfig.PRESETS = REFL_PRESETS
