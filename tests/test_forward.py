@@ -261,28 +261,32 @@ class _FlowStub:
         return (1 - s) * x0 + s * noise
 
 
-def _wired(algo_cls, cfg, w, w_old):
-    """The algorithm with a one-tensor network holding `w`, its old policy `w_old`, a flow family's parts."""
+def _wired(method, cfg, w, w_old):
+    """A run of `method` with a one-tensor network holding `w`, its old policy `w_old`, a flow family's parts."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
+    from refl_ddpo.trainers.forward_training import ForwardState
+    from refl_ddpo.trainers.rollouts import CleanSampler
+
     net = _ScaleNet(w)
-    algo = algo_cls(cfg)
-    algo.scheduler = None
     accelerator = SimpleNamespace(distributed_type=None, autocast=nullcontext)
-    run = SimpleNamespace(accelerator=accelerator, network=net, params=[net.w], family=_FlowStub())
-    algo.old = [w_old.clone()]
-    return algo, run
+    run = SimpleNamespace(
+        cfg=cfg, name=method.name, accelerator=accelerator, network=net, params=[net.w], family=_FlowStub()
+    )
+    fp = ForwardState(method, CleanSampler(None))
+    fp.old = [w_old.clone()]
+    return fp, run
 
 
 def _draw(seed: int = 0):
-    from refl_ddpo.trainers.nft import Draw
+    from refl_ddpo.trainers.forward_training import Draw
 
     g = torch.Generator().manual_seed(seed)
     x0, noise = torch.randn(4, 3, 4, 4, generator=g), torch.randn(4, 3, 4, 4, generator=g)
     t = torch.tensor([900.0, 700.0, 500.0, 300.0])
     s = (t / 1000).view(-1, 1, 1, 1)
-    return Draw(0, t, x0, noise, (1 - s) * x0 + s * noise), torch.tensor([1.5, -0.5, 0.8, -1.2])
+    return Draw(t, x0, noise, (1 - s) * x0 + s * noise), torch.tensor([1.5, -0.5, 0.8, -1.2])
 
 
 def test_nft_trains_the_current_network_against_the_old_one():
@@ -290,14 +294,14 @@ def test_nft_trains_the_current_network_against_the_old_one():
     gradient on the trained tensor are nft_loss of (the current network's x0, the old network's x0), and not of the
     pair swapped; the old policy and the trained tensor hold their own values afterwards."""
     from refl_ddpo.trainers.forward_config import NFTConfig
-    from refl_ddpo.trainers.nft import NFT
+    from refl_ddpo.trainers.forward_training import NFT, nft_step_loss
 
     w, w_old = torch.tensor([1.0, 0.5, -0.3]), torch.tensor([0.2, 0.9, 0.4])
-    algo, run = _wired(NFT, NFTConfig(kl_weight=0.0, nft_beta=0.7), w, w_old)
+    fp, run = _wired(NFT, NFTConfig(kl_weight=0.0, nft_beta=0.7), w, w_old)
     draw, advantages = _draw()
-    loss, _ = algo.draw_loss(run, {"advantages": advantages}, {}, draw, None)
+    loss, _ = nft_step_loss(run, fp, {"advantages": advantages}, {}, draw)
     loss.backward()
-    r = optimality_probability(advantages, algo.cfg.train_adv_clip_max)
+    r = optimality_probability(advantages, run.cfg.train_adv_clip_max)
 
     def loss_of(current, old):
         current = current.clone().requires_grad_()
@@ -305,7 +309,7 @@ def test_nft_trains_the_current_network_against_the_old_one():
             draw.x_t - (draw.timesteps / 1000).view(-1, 1, 1, 1) * draw.x_t * x.view(1, -1, 1, 1)
             for x in (current, old)
         ]
-        value, _ = nft_loss(pair[0], pair[1], draw.x0, r, 0.7, algo.cfg.train_adv_clip_max)
+        value, _ = nft_loss(pair[0], pair[1], draw.x0, r, 0.7, run.cfg.train_adv_clip_max)
         return value, torch.autograd.grad(value, current)[0]
 
     expected, expected_grad = loss_of(w, w_old)
@@ -315,7 +319,7 @@ def test_nft_trains_the_current_network_against_the_old_one():
     assert (
         abs(float(swapped.detach() - expected)) > 1e-3 and (swapped_grad - expected_grad).abs().max() > 1e-3
     )
-    assert torch.equal(run.params[0].detach(), w) and torch.equal(algo.old[0], w_old)
+    assert torch.equal(run.params[0].detach(), w) and torch.equal(fp.old[0], w_old)
 
 
 def test_awm_is_on_policy_and_pulls_toward_the_old_policy():
@@ -324,14 +328,15 @@ def test_awm_is_on_policy_and_pulls_toward_the_old_policy():
     that of the current network's terms. Computing the output with the old weights (the networks swapped) gives
     ratio != 1 and another gradient."""
     from refl_ddpo.algorithms.policy import ppo_clip_loss
-    from refl_ddpo.trainers.awm import AWM
     from refl_ddpo.trainers.forward_config import AWMConfig
+    from refl_ddpo.trainers.forward_training import AWM
 
     w, w_old = torch.tensor([1.0, 0.5, -0.3]), torch.tensor([0.2, 0.9, 0.4])
-    algo, run = _wired(AWM, AWMConfig(kl_weight=0.0), w, w_old)
+    fp, run = _wired(AWM, AWMConfig(kl_weight=0.0), w, w_old)
     draw, advantages = _draw(1)
-    prepared = algo.batch_start(run, {}, {}, [draw])
-    loss, info = algo.draw_loss(run, {"advantages": advantages}, {}, draw, prepared)
+    assert AWM.micro_batch_start is not None and not AWM.sample_with_old
+    AWM.micro_batch_start(run, fp, {}, [draw])
+    loss, info = AWM.loss(run, fp, {"advantages": advantages}, {}, draw)
     loss.backward()
     assert float(info["ratio"]) == pytest.approx(1.0)
 
@@ -360,24 +365,31 @@ def test_awm_is_on_policy_and_pulls_toward_the_old_policy():
 def test_nft_releases_the_ema_of_the_trained_weights_or_the_raw_ones(release):
     """NFT's EMA starts at the initial weights and follows each optimizer step s with decay min((1 + s) / (10 + s),
     0.9); validation sees it and the final weights are it (--release_weights ema), or neither (raw: no EMA kept)."""
+    from types import SimpleNamespace
+
+    from refl_ddpo.trainers import forward_process
     from refl_ddpo.trainers.forward_config import NFTConfig
-    from refl_ddpo.trainers.nft import NFT
+    from refl_ddpo.trainers.forward_training import NFT, after_step
 
     w0 = torch.tensor([1.0, 0.5, -0.3])
-    algo, run = _wired(NFT, NFTConfig(release_weights=release), w0, w0)
-    algo.setup_optimizer(run)
+    fp, run = _wired(NFT, NFTConfig(release_weights=release), w0, w0)
+    run.accelerator.reduce = lambda means, reduction: means
+    run.accelerator.log = lambda values, step: None
+    bar = SimpleNamespace(set_postfix=lambda *a, **k: None, update=lambda n: None)
+    forward_process.keep_copies(run, fp)
     seen = []
     for step, w in enumerate((torch.tensor([2.0, 0.5, 0.7]), torch.tensor([3.0, 1.5, 0.7])), start=1):
         with torch.no_grad():
             run.params[0].copy_(w)
-        algo.global_step = step
-        algo.after_step(run)
-        with algo.validation_weights(run):
+        fp.counters.global_step = step - 1
+        after_step(run, fp, {"loss": [torch.tensor(0.0)]}, 1.0, bar)  # counts step s, then the EMA's update
+        assert fp.counters.global_step == step
+        with forward_process.released_weights(run, fp):
             seen.append(run.params[0].detach().clone())
         assert torch.equal(run.params[0].detach(), w), "the trained weights are back after validation"
-    algo.finish(run)
+    forward_process.release(run, fp)
     if release == "raw":
-        assert algo.ema is None and torch.equal(seen[1], w) and torch.equal(run.params[0].detach(), w)
+        assert fp.ema is None and torch.equal(seen[1], w) and torch.equal(run.params[0].detach(), w)
         return
     d1, d2 = 2 / 11, 3 / 12
     ema1 = d1 * w0 + (1 - d1) * torch.tensor([2.0, 0.5, 0.7])
@@ -390,26 +402,27 @@ def test_draws_share_one_stratified_set_per_micro_batch_or_draw_per_sample():
     """--train_timesteps stratified (AWM's default): every sample of a micro-batch at the same timestep per draw,
     one per cut of the span; per_sample (NFT's, and the toy presets'): each sample its own."""
     import dataclasses
+    from types import SimpleNamespace
 
-    from refl_ddpo.trainers.awm import AWM
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     from refl_ddpo.trainers.forward_config import AWMConfig
+    from refl_ddpo.trainers.forward_training import draw_timesteps
 
     cfg = AWMConfig(sample_num_steps=14, train_timestep_fraction=0.43)
     assert cfg.train_timesteps == "stratified" and cfg.old_decay_clock == "epochs"
     schedule, x0 = _sd35_schedule(), torch.zeros(8, 1, 2, 2)
-    algo = AWM(cfg)
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    algo.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    run = SimpleNamespace(cfg=cfg, family=_FlowStub())
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     g = torch.Generator().manual_seed(0)
-    draws = algo.draws(_FlowStub(), schedule, x0, 6, g)
+    draws = draw_timesteps(run, scheduler, schedule, x0, 6, g)
     assert len(draws) == 6 and all(len(set(d.timesteps.tolist())) == 1 for d in draws)
     index = [int(torch.nonzero(schedule == d.timesteps[0])) for d in draws]
     assert all(
         i in cut for i, cut in zip(index, [(1,), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11)], strict=True)
     )
-    algo.cfg = dataclasses.replace(cfg, train_timesteps="per_sample")
-    draws = algo.draws(_FlowStub(), schedule, x0, 6, g)
+    run.cfg = dataclasses.replace(cfg, train_timesteps="per_sample")
+    draws = draw_timesteps(run, scheduler, schedule, x0, 6, g)
     assert any(len(set(d.timesteps.tolist())) > 1 for d in draws)
 
 

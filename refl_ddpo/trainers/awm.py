@@ -1,5 +1,6 @@
 """Advantage Weighted Matching (AWM, Xue et al. 2025) with LoRA, as X-GenGroup/Flow-Factory's trainers/awm.py
-implements it, on DiffusionNFT's forward-process epoch (refl_ddpo.trainers.nft).
+implements it, on DiffusionNFT's forward-process epoch (refl_ddpo.trainers.nft; both run by
+refl_ddpo.trainers.forward_process).
 
     bash train_scripts/train_awm.sh [--preset toy_world|toy_world_sd3|awm_sd35m] [--flag ...]
 
@@ -24,66 +25,28 @@ validation, the final LoRA and the model card hold it (--release_weights raw: th
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
-import torch
-
-from refl_ddpo.algorithms.forward import matching_log_likelihood, output_mse
-from refl_ddpo.algorithms.policy import ppo_clip_loss
 from refl_ddpo.core.errors import cli_main
-from refl_ddpo.run.zero import unwrap
+from refl_ddpo.run.session import main_for
+from refl_ddpo.trainers import forward_process
+from refl_ddpo.trainers.epochs import ImageSamplesHook
 from refl_ddpo.trainers.forward_config import AWMConfig
-from refl_ddpo.trainers.nft import Draw, ForwardProcess
-from refl_ddpo.trainers.skeleton import Run, main_for, run_training
 
 
-class AWM(ForwardProcess):
-    """AWM's loss of one trained timestep (module doc, step 2)."""
-
-    name = "awm"
-    sample_with_old = False
-
-    def released(self) -> list[torch.Tensor] | None:
-        return self.old if self.cfg.release_weights == "ema" else None
-
-    def log_likelihood(self, run: Run, v: torch.Tensor, draw: Draw) -> torch.Tensor:
-        family, cfg = run.family, self.cfg
-        target = family.training_target(self.scheduler, draw.x0, draw.noise, draw.timesteps)
-        t = family.noise_level(self.scheduler, draw.timesteps)
-        return matching_log_likelihood(v, target, t, cfg.awm_weighting, cfg.ghuber_power)
-
-    def batch_start(self, run: Run, batch: dict, cond, draws: list[Draw]) -> Any:
-        """ll_old of every draw, with the weights as the micro-batch starts (no grad)."""
-        network = unwrap(run.accelerator, run.network)
-        with torch.no_grad(), run.accelerator.autocast():
-            return [self.log_likelihood(run, self.predict(run, d, cond, network), d) for d in draws]
-
-    def draw_loss(self, run: Run, batch: dict, cond, draw: Draw, prepared: Any) -> tuple[torch.Tensor, dict]:
-        cfg = self.cfg
-        v = self.predict(run, draw, cond, run.network)
-        ll = self.log_likelihood(run, v, draw)
-        loss, info = ppo_clip_loss(ll, prepared[draw.index], batch["advantages"], cfg.train_clip_range)
-        info["policy_loss"] = loss.detach()
-        v_base = self.base_output(run, draw, cond)
-        if v_base is not None:
-            kl = output_mse(v, v_base).mean()
-            loss = loss + cfg.kl_weight * kl
-            info["kl"] = kl.detach()
-        if cfg.old_kl_weight > 0:
-            old_kl = output_mse(v, self.old_output(run, draw, cond)).mean()
-            loss = loss + cfg.old_kl_weight * old_kl
-            info["old_kl"] = old_kl.detach()
-        return loss, info
-
-
-def train(cfg: AWMConfig, image_samples_hook=None):
+def train(cfg: AWMConfig, image_samples_hook: ImageSamplesHook | None = None) -> Path:
     """Run AWM as configured; returns the output folder (final LoRA + config.json at its top)."""
-    return run_training(AWM(cfg, image_samples_hook))
+    return forward_process.train(cfg, image_samples_hook)
+
+
+def preflight(cfg: AWMConfig) -> None:
+    """The checks that need no model (launch.sh runs them once before it starts the processes)."""
+    forward_process.preflight(cfg)
 
 
 @cli_main
 def main(argv: list[str] | None = None) -> None:
-    main_for(AWM, AWMConfig, argv, __doc__)
+    main_for(train, preflight, AWMConfig, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,16 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from refl_ddpo.core.families import Cond, ModelFamily, cond_cat, cond_expand
 from refl_ddpo.rewards import Reward
+
+if TYPE_CHECKING:
+    from refl_ddpo.run.session import Run
+    from refl_ddpo.trainers.epochs import EpochPlan
 
 STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (N, S, ...) per sample and step
 
@@ -132,51 +137,63 @@ class CleanBatch:
     rewards: Future | tuple[torch.Tensor, dict]
 
 
+@dataclass
+class CleanSampler:
+    """What `sample_clean` draws with besides the run: the family's deterministic scheduler (DDIM eta 0 on SD 1.x,
+    the flow Euler step on SD3) and, for CFG (--sample_guidance_scale > 1), the empty prompt's conditioning
+    (batch 1), else None."""
+
+    scheduler: Any
+    uncond: Cond | None = None
+
+
 def sample_clean(
-    family: ModelFamily,
-    scheduler,
-    prompt_fn,
-    reward: Reward,
-    uncond: Cond | None,
-    *,
-    batch_size: int,
-    num_batches: int,
-    num_steps: int,
-    guidance_scale: float,
-    resolution: int,
+    run: Run,
+    sampler: CleanSampler,
+    plan: EpochPlan,
     generator: torch.Generator,
-    network=None,
-    autocast=None,
     executor: ThreadPoolExecutor | None = None,
-    initial_noise: torch.Tensor | None = None,
     on_batch: Callable[[CleanBatch], None] | None = None,
 ) -> list[CleanBatch]:
-    """Sample `num_batches` batches of clean latents with the deterministic sampler (DDIM eta 0, the flow Euler
-    step; CFG with `uncond` (batch 1) when guidance_scale > 1), decode and score them (futures with `executor`).
-    `generator` draws the initial noise unless `initial_noise` (N, C, h, w) is given."""
+    """Sample --sample_num_batches_per_epoch batches of --sample_batch_size clean latents from `plan`'s prompts
+    with the weights run.network holds (--sample_num_steps, --sample_guidance_scale, --resolution), decode and score
+    them with run.reward (futures with `executor`). `generator` (CPU) draws the initial noise unless the plan brings
+    it (N, C, h, w); `on_batch` is called with each batch as it is done (a progress bar)."""
     from refl_ddpo.core.sampling import denoise
+    from refl_ddpo.run.zero import unwrap
 
-    autocast = autocast or nullcontext
+    cfg, family, batch_size = run.cfg, run.family, run.cfg.sample_batch_size
+    network = unwrap(run.accelerator, run.network)
+    network.eval()
     batches = []
     with torch.no_grad():
-        for b in range(num_batches):
-            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+        for b in range(cfg.sample_num_batches_per_epoch):
+            prompts, metadata = map(list, zip(*(plan.prompt_fn() for _ in range(batch_size)), strict=True))
             cond, _ = family.encode_prompts(prompts, with_negative=False)
             dtype = next(iter(cond.values())).dtype
-            if initial_noise is None:
-                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            if plan.initial_noise is None:
+                noise = family.initial_noise(batch_size, cfg.resolution, generator, dtype)
             else:
-                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
-            guided = None if uncond is None else cond_expand(uncond, batch_size)
-            with autocast():
+                noise = plan.initial_noise[b * batch_size : (b + 1) * batch_size].to(
+                    family.pipe.device, dtype
+                )
+            guided = None if sampler.uncond is None else cond_expand(sampler.uncond, batch_size)
+            with run.accelerator.autocast():
                 out = denoise(
-                    family, scheduler, cond, guided, noise, num_steps, guidance_scale, network=network
+                    family,
+                    sampler.scheduler,
+                    cond,
+                    guided,
+                    noise,
+                    cfg.sample_num_steps,
+                    cfg.sample_guidance_scale,
+                    network=network,
                 )
                 images = family.decode(out.latents)
             rewards = (
-                executor.submit(_score, reward, images, prompts, metadata)
+                executor.submit(_score, run.reward, images, prompts, metadata)
                 if executor is not None
-                else _score(reward, images, prompts, metadata)
+                else _score(run.reward, images, prompts, metadata)
             )
             batches.append(CleanBatch(prompts, metadata, cond, out.latents, images, rewards))
             if on_batch is not None:
