@@ -1,9 +1,12 @@
 """Guards against reward hacking (issue 64): the drift monitors against closed forms, the validation grid's cells read
-back exactly. CPU, no model."""
+back exactly, and GRPO-Guard's RatioNorm against its closed form on hand-made tensors. CPU, no model."""
+
+import math
 
 import pytest
 import torch
 
+from refl_ddpo.algorithms.policy import ratio_norm
 from refl_ddpo.core.images import caption_grid, grid_cells
 from refl_ddpo.run import drift
 
@@ -90,3 +93,75 @@ def test_grid_cells_are_the_images_as_the_grid_shows_them():
     )
     with pytest.raises(ValueError, match="is not one of 3 images"):
         grid_cells(grid, 3, cols=4, cell=32)
+
+
+# ---- GRPO-Guard's RatioNorm ----
+
+
+def _gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Mean over the non-batch dims of log N(x; mean, std^2), std (B,)."""
+    s = std.view(-1, *([1] * (x.ndim - 1)))
+    log_prob = -((x - mean) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
+    return log_prob.mean(dim=tuple(range(1, x.ndim)))
+
+
+def test_ratio_norm_is_mean_eps_delta_whatever_the_step():
+    """x_next = old_mean + s * eps scored under both means: RatioNorm gives mean(eps * delta) exactly, the same at
+    steps of very different s, where the raw log-ratio mean(eps * delta) / s - mean(delta^2) / (2 s^2) is shifted
+    left and scaled by 1 / s."""
+    g = torch.Generator().manual_seed(0)
+    eps = torch.randn(3, 4, 2, 2, generator=g, dtype=torch.float64)
+    delta = 0.05 * torch.randn(3, 4, 2, 2, generator=g, dtype=torch.float64)
+    old_mean = torch.randn(3, 4, 2, 2, generator=g, dtype=torch.float64)
+    expected = (eps * delta).mean(dim=(1, 2, 3)).float()
+    raw = []
+    for s in (torch.tensor([0.02, 0.02, 0.02]), torch.tensor([0.5, 0.9, 1.3]), 0.3):
+        std = torch.as_tensor(s, dtype=torch.float64).expand(3)
+        x_next = old_mean + std.view(-1, 1, 1, 1) * eps
+        log_prob, old_log_prob = (
+            _gaussian_log_prob(x_next, old_mean + delta, std),
+            _gaussian_log_prob(x_next, old_mean, std),
+        )
+        bias = (delta**2).mean(dim=(1, 2, 3)) / (2 * std**2)
+        assert torch.allclose(
+            log_prob - old_log_prob, (eps * delta).mean(dim=(1, 2, 3)) / std - bias, atol=1e-9
+        )
+        normed = ratio_norm(log_prob, old_log_prob, old_mean + delta, old_mean, s)
+        assert normed.shape == (3,) and normed.dtype == torch.float32
+        assert torch.allclose(normed, expected, atol=1e-6, rtol=1e-4)
+        raw.append((log_prob - old_log_prob).float())
+    assert (raw[0] - expected).abs().min() > 0.5, "the raw log-ratio at a small step is far from it"
+    # on-policy (same mean): 0, the ratio 1, at any step
+    same = ratio_norm(
+        torch.tensor([-1.2, 0.3]),
+        torch.tensor([-1.2, 0.3]),
+        old_mean[:2],
+        old_mean[:2],
+        torch.tensor([0.1, 2.0]),
+    )
+    assert torch.equal(same, torch.zeros(2))
+
+
+def test_ratio_norm_centres_the_ratio_over_the_noise():
+    """Over many noise draws the raw log-ratio's mean is -mean(delta^2) / (2 s^2) and its std sqrt(mean(delta^2) / D)
+    / s; RatioNorm's are 0 and sqrt(mean(delta^2) / D) at every s."""
+    g = torch.Generator().manual_seed(1)
+    n, d = 20000, 16
+    delta = torch.full((1, d), 0.1, dtype=torch.float64).expand(n, d)
+    old_mean = torch.zeros(n, d, dtype=torch.float64)
+    eps = torch.randn(n, d, generator=g, dtype=torch.float64)
+    spread = math.sqrt(0.01 / d)
+    for s in (0.05, 0.4):
+        std = torch.full((n,), s, dtype=torch.float64)
+        x_next = old_mean + s * eps
+        lp, old_lp = (
+            _gaussian_log_prob(x_next, old_mean + delta, std),
+            _gaussian_log_prob(x_next, old_mean, std),
+        )
+        raw = lp - old_lp
+        assert raw.mean().item() == pytest.approx(
+            -0.01 / (2 * s**2), rel=0.05, abs=4 * spread / s / math.sqrt(n)
+        )
+        normed = ratio_norm(lp, old_lp, old_mean + delta, old_mean, std).double()
+        assert abs(normed.mean().item()) < 4 * spread / math.sqrt(n)
+        assert normed.std().item() == pytest.approx(spread, rel=0.03)
