@@ -31,23 +31,34 @@ LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601, as PIL's convert("L")
 
 def brightness(images: torch.Tensor) -> float:
     """Mean luma of images (N, 3, H, W) in [0, 1]."""
-    weights = torch.tensor(LUMA, dtype=torch.float64).view(1, 3, 1, 1)
-    return float((images.double().cpu() * weights).sum(dim=1).mean())
+    weights = torch.tensor(LUMA, dtype=torch.float64).view(3, 1, 1)
+    return _mean_per_image(images, lambda x: (x * weights).sum(dim=0))
 
 
 def saturation(images: torch.Tensor) -> float:
     """Mean HSV saturation of images (N, 3, H, W) in [0, 1]: (max - min) / max over the channels, 0 on black."""
-    x = images.double().cpu()
-    high, low = x.amax(dim=1), x.amin(dim=1)
-    return float(torch.where(high > 0, (high - low) / high.clamp_min(1e-12), 0.0).mean())
+
+    def per_pixel(x: torch.Tensor) -> torch.Tensor:
+        high, low = x.amax(dim=0), x.amin(dim=0)
+        return torch.where(high > 0, (high - low) / high.clamp_min(1e-12), 0.0)
+
+    return _mean_per_image(images, per_pixel)
+
+
+def _mean_per_image(images: torch.Tensor, per_pixel) -> float:
+    """The mean over images of the mean of `per_pixel(image (3, H, W) float64)`: one image at a time, so that a
+    batch of large images is never copied whole."""
+    return float(torch.stack([per_pixel(x.double().cpu()).mean() for x in images]).mean())
 
 
 def mean_abs_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean |a - b| of two image batches of one shape: float in [0, 1], or uint8 (then divided by 255)."""
+    """Mean |a - b| of two image batches of one shape: float in [0, 1], or uint8 (then divided by 255, summed in
+    integers: exact)."""
     if a.shape != b.shape:
         raise ValueError(f"images of shape {tuple(a.shape)} and {tuple(b.shape)} cannot be compared")
-    scale = 255.0 if a.dtype == torch.uint8 else 1.0
-    return float((a.double() - b.double()).abs().mean() / scale)
+    if a.dtype == torch.uint8 and b.dtype == torch.uint8:
+        return int((a.long() - b.long()).abs().sum()) / (a.numel() * 255)
+    return float((a.double() - b.double()).abs().mean())
 
 
 def diversity(images: torch.Tensor, per_prompt: int, size: int = DIVERSITY_SIZE) -> float | None:
@@ -59,14 +70,19 @@ def diversity(images: torch.Tensor, per_prompt: int, size: int = DIVERSITY_SIZE)
         return None
     if len(images) % per_prompt:
         raise ValueError(f"{len(images)} images are not whole prompts of {per_prompt}")
-    x = images.double().cpu()
-    if x.shape[-1] > size or x.shape[-2] > size:
-        x = F.interpolate(x, size=(size, size), mode="area")
-    flat = x.flatten(1).view(-1, per_prompt, x[0].numel())  # (prompts, per_prompt, D)
+    small = torch.stack([_downscaled(x.double().cpu(), size) for x in images])
+    flat = small.flatten(1).view(-1, per_prompt, small[0].numel())  # (prompts, per_prompt, D)
     pairs = list(itertools.combinations(range(per_prompt), 2))
     first, second = (torch.tensor(idx) for idx in zip(*pairs, strict=True))
     distances = (flat[:, first] - flat[:, second]).square().mean(dim=2).sqrt()  # (prompts, pairs)
     return float(distances.mean())
+
+
+def _downscaled(image: torch.Tensor, size: int) -> torch.Tensor:
+    """An image (3, H, W) averaged over areas down to (3, size, size); one already that small is kept."""
+    if image.shape[-1] <= size and image.shape[-2] <= size:
+        return image
+    return F.interpolate(image[None], size=(size, size), mode="area")[0]
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
