@@ -311,6 +311,47 @@ def test_toy_color_clean_is_the_sum_on_the_right_colour_and_zero_on_a_wrong_one(
     assert fn(blank, ["a red circle"], [{}])[0].item() == 0.0  # no shape, no colour: nothing for being clean
 
 
+def test_toy_judge_is_one_on_a_clean_shape_of_the_right_colour_only():
+    """toy_judge on rendered images: 1 where the colour is right; 0 on a wrong colour, a frame filled with the right
+    colour (grey falls) and the right colour broken into specks (ragged rises), which toy_color_match scores 1."""
+    from refl_ddpo.rewards import build_reward, is_differentiable, parse_reward_spec
+    from refl_ddpo.rewards.toy import JUDGE_MAX_RAGGED, JUDGE_MIN_GREY
+
+    images, prompts = _rendered(seed=8)
+    x = images.float() / 255
+    fn = build_reward("toy_judge", "cpu", model_dir=str(tw.DATA_DIR))
+    assert not fn.differentiable and not is_differentiable("toy_judge")
+    r, info = fn(x, prompts, [{}] * 72)
+    assert r.shape == (72,) and r.dtype == torch.float32 and torch.equal(r, torch.ones(72))
+    assert set(info) == {"colour_ok", "grey", "dirty", "ragged"} and all(
+        v.shape == (72,) for v in info.values()
+    )
+    assert torch.equal(fn(images, prompts, [{}] * 72)[0], r), "uint8 images too"
+    wrong = [tw.PROMPTS[(tw.PROMPTS.index(p) + 3) % 18] for p in prompts]
+    assert torch.equal(fn(x, wrong, [{}] * 72)[0], torch.zeros(72))
+
+    match = build_reward("toy_color_match", "cpu", model_dir=str(tw.DATA_DIR))
+    colour = torch.tensor(tw.COLOURS["green"]).float().view(3, 1, 1) / 255
+    grey = torch.full((3, tw.SIZE, tw.SIZE), 128 / 255)
+    filled = grey.clone()
+    filled[:, 2:-2, 2:-2] = colour  # a 28 x 28 square: the frame filled but for a grey rim
+    specks = grey.clone()
+    checker = (torch.arange(16).view(-1, 1) + torch.arange(16).view(1, -1)) % 2 == 0
+    specks[:, 8:24, 8:24] = torch.where(checker, colour, specks[:, 8:24, 8:24])  # 128 green specks
+    bad = torch.stack([filled, specks])
+    judged = tw.judge(bad, ["a green square"] * 2)
+    assert judged["grey"][0] < JUDGE_MIN_GREY and judged["ragged"][1] > JUDGE_MAX_RAGGED
+    assert torch.equal(match(bad, ["a green square"] * 2, [{}] * 2)[0], torch.ones(2)), "the colour is right"
+    assert torch.equal(fn(bad, ["a green square"] * 2, [{}] * 2)[0], torch.zeros(2))
+
+    # a weighted spec: the verdict as a part beside another reward
+    assert parse_reward_spec("toy_judge:1,toy_clean:0.5") == [("toy_judge", 1.0), ("toy_clean", 0.5)]
+    both = build_reward("toy_judge:1,toy_clean:0.5", "cpu", model_dir=str(tw.DATA_DIR))
+    total, parts = both(x[:4], prompts[:4], [{}] * 4)
+    assert torch.equal(parts["toy_judge"], torch.ones(4)) and "toy_judge/ragged" in parts
+    assert torch.allclose(total, parts["toy_judge"] + 0.5 * parts["toy_clean"])
+
+
 def test_base_model_is_deliberately_imperfect():
     """Inference defaults (DDIM 50 steps, eta 0, CFG 7.5, 32 px), stock pipeline, seeds 1000 and 1001 for every
     prompt (one CPU generator per image): colour accuracy within [0.2, 0.7], so rewards have room to improve it.

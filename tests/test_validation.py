@@ -181,6 +181,68 @@ def test_validator_on_sd3_is_the_stock_pipelines_flow_ode(tiny_models, tmp_path,
     assert (stock - result.images).abs().max() < 1e-5
 
 
+def test_validator_logs_the_drift_monitors_and_a_resumed_run_reads_the_baseline_back(
+    tiny_sd, tmp_path, prompts_file
+):
+    """validation/drift/*: beside the reward's metrics (which stay as they were) in the result and the JSON; the
+    change from the baseline is 0 at count 0 and grows with the weights; weights_norm is the LoRA's; a Validator made
+    for a resumed run reads the baseline's grid back and measures what the unbroken one measures, to the bit."""
+    from refl_ddpo.core.families import load_family
+    from refl_ddpo.core.lora import add_lora
+    from refl_ddpo.rewards import build_reward
+    from refl_ddpo.run import drift
+
+    family = load_family(str(tiny_sd))
+    params = add_lora(family.network, 4, 4, ["to_q", "to_k", "to_v", "to_out.0"], init="random")
+    reward = build_reward("jpeg_compressibility", "cpu")
+    validation = _validation_spec(prompts_file)
+
+    def validator():
+        return Validator(
+            _accelerator(),
+            family,
+            reward,
+            "jpeg_compressibility",
+            validation,
+            tmp_path,
+            every=1,
+            unit="step",
+            last=3,
+        )
+
+    unbroken = validator()
+    base = unbroken(0, 0)
+    names = {f"validation/drift/{n}" for n in drift.DRIFT_NAMES}
+    assert set(base.drift) == names and set(base.metrics) == {
+        "validation/jpeg_compressibility/mean",
+        "validation/jpeg_compressibility/std",
+    }
+    assert base.drift["validation/drift/change_from_baseline"] == 0.0
+    assert base.drift["validation/drift/brightness"] == pytest.approx(drift.brightness(base.images))
+    assert base.drift["validation/drift/diversity"] == pytest.approx(drift.diversity(base.images, 2))
+    assert base.drift["validation/drift/weights_norm"] == pytest.approx(
+        torch.cat([p.detach().flatten() for p in params]).double().norm().item(), rel=1e-12
+    )
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05)
+    moved = unbroken(1, 1)
+    assert moved.drift["validation/drift/change_from_baseline"] > 0
+    assert moved.drift["validation/drift/weights_norm"] > base.drift["validation/drift/weights_norm"]
+    saved = validation_files(tmp_path)
+    assert saved[1]["drift"] == pytest.approx(moved.drift) and saved[1]["metrics"] == pytest.approx(
+        moved.metrics
+    )
+
+    resumed = validator()
+    resumed.forget_after(1)
+    again = resumed(1, 1)
+    assert again.drift == moved.drift, "the baseline read back from validation/step-0.png"
+    (tmp_path / VALIDATION_DIR / "step-0.png").unlink()
+    fresh = validator()
+    assert "validation/drift/change_from_baseline" not in fresh(1, 1).drift, "no baseline files: left out"
+
+
 def test_validation_is_due_at_the_baseline_every_n_and_after_the_last():
     v = Validator.__new__(Validator)
     v.every, v.last = 4, 10
@@ -327,6 +389,24 @@ def test_model_card_says_what_was_trained_how_it_validated_and_how_to_load_it(tm
     draft = parse_config(ReFLConfig, ["--preset", "toy_world", "--backprop_steps", "3"])
     text = _sd_refl_card(tmp_path, draft, {}).text
     assert "DRaFT-K / AlignProp" in text and "| backprop_steps | `3` |" in text
+
+
+def test_model_card_shows_the_drift_monitors_at_the_first_and_last_validation(tmp_path):
+    _fake_validation(tmp_path)
+    for count, brightness in ((0, 0.25), (10, 0.5)):
+        path = tmp_path / VALIDATION_DIR / f"step-{count}.json"
+        record = json.loads(path.read_text())
+        record["drift"] = {"validation/drift/brightness": brightness, "validation/drift/diversity": None}
+        path.write_text(json.dumps(record))
+    cfg = parse_config(ReFLConfig, ["--preset", "toy_world", "--max_train_steps", "10"])
+    text = _sd_refl_card(tmp_path, cfg, {"optimizer steps": 10}).text
+    for line in (
+        "| monitor | step 0 | step 10 |",
+        "| brightness | 0.25 | 0.5 |",
+        "| diversity | n/a | n/a |",
+    ):
+        assert line in text, line
+    assert "| 0 | 0.25 |" in text and "| 10 | 0.5 |" in text, "the reward's table as before"
 
 
 def test_overwrite_deletes_our_card_and_validation_but_not_a_users_readme(tmp_path):

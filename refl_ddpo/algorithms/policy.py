@@ -124,3 +124,42 @@ def zero_std_group_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> f
     groups = torch.unique(group_ids)
     flat = sum(bool((rewards[group_ids == g] == rewards[group_ids == g][0]).all()) for g in groups.tolist())
     return flat / len(groups)
+
+
+# ---- GRPO-Guard (Wang et al. 2025, "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via
+# Regulated Clipping", arXiv 2510.22319; reference code: flow_grpo's scripts/train_sd3_GRPO_Guard.py) ----
+
+
+def ratio_norm(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    prev_sample_mean: torch.Tensor,
+    old_prev_sample_mean: torch.Tensor,
+    step_std: torch.Tensor | float,
+) -> torch.Tensor:
+    """GRPO-Guard's RatioNorm: the normalised log importance ratio (B,) of one stochastic denoising step, to be
+    exponentiated and clipped by PPO in place of log_prob - old_log_prob.
+
+    The step is Gaussian, x_next ~ N(mean, s^2 I) with s = `step_std` (B,) or a scalar (the SDE step's
+    std_dev_t * sqrt(-dt) on flow models, DDIM's std_dev_t); `log_prob` (B,) is the log-density of the stored
+    x_next = old_mean + s * eps under the current weights and `old_log_prob` (B,) under the sampling ones, both
+    averaged over the latent's D dimensions (as `flow_sde_step_with_logprob` and `ddim_step_with_logprob` give
+    them); `prev_sample_mean` and `old_prev_sample_mean` (B, ...) are the two means. With delta = mean - old_mean,
+
+        log_prob - old_log_prob = mean(eps * delta) / s - mean(delta^2) / (2 s^2),
+
+    whose second term shifts the log-ratio left (its mean is below 0, so the ratio's mean falls below 1 and PPO's
+    upper clip rarely binds) and whose spread grows as 1 / s, unequal across steps. RatioNorm adds the bias back and
+    multiplies by s:
+
+        s * (log_prob - old_log_prob + mean(delta^2) / (2 s^2)) = mean(eps * delta),
+
+    centred on 0 whatever the step, with a spread that depends on the change of the mean alone. The paper pairs it
+    with a per-step gradient weight (the reference divides the step's PPO loss by -dt), which is not part of this
+    function; its reference code takes s as the batch's mean, this function per sample (the same when a batch's
+    samples are at one step)."""
+    s = torch.as_tensor(step_std, dtype=torch.float32, device=log_prob.device)
+    s = s.reshape(-1) if s.ndim else s  # (B,) or a scalar
+    delta = prev_sample_mean.float() - old_prev_sample_mean.float()
+    bias = delta.square().mean(dim=tuple(range(1, delta.ndim)))  # (B,): mean(delta^2) over the D dimensions
+    return s * (log_prob.float() - old_log_prob.float()) + bias / (2 * s)

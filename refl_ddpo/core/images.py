@@ -72,19 +72,43 @@ def caption_grid(
     from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 
     n = len(images)
-    cols = min(grid_columns(cols), n)
-    rows = (n + cols - 1) // cols
+    cols, rows, text_h = _grid_layout(n, cols, caption_lines)
     face = font(10)
-    line_h = 12
-    text_h = caption_lines * line_h + 4
     canvas = Image.new("RGB", (cols * cell, rows * (cell + text_h)), "white")
     draw = ImageDraw.Draw(canvas)
     for i, (img, cap) in enumerate(zip(images, captions, strict=True)):
         x, y = (i % cols) * cell, (i // cols) * (cell + text_h)
         canvas.paste(to_pil_image(img.detach().float().clamp(0, 1).cpu()).resize((cell, cell)), (x, y))
         for j, line in enumerate(wrap_words(cap, cell - 8, face.getlength, caption_lines)):
-            draw.text((x + 4, y + cell + 2 + j * line_h), line, fill="black", font=face)
+            draw.text((x + 4, y + cell + 2 + j * _LINE_HEIGHT), line, fill="black", font=face)
     return pil_to_tensor(canvas)
+
+
+_LINE_HEIGHT = 12  # a caption line of caption_grid, in pixels
+
+
+def _grid_layout(n: int, cols: int, caption_lines: int) -> tuple[int, int, int]:
+    """caption_grid's (columns, rows, caption height in px) for `n` images asked in `cols` columns."""
+    cols = min(grid_columns(cols), n)
+    return cols, (n + cols - 1) // cols, caption_lines * _LINE_HEIGHT + 4
+
+
+def grid_cells(
+    grid: torch.Tensor, n: int, cols: int = 4, cell: int = 256, caption_lines: int = 2
+) -> torch.Tensor:
+    """The `n` images of a caption_grid (3, H, W) uint8 made with the same `cols`, `cell` and `caption_lines`, as
+    it shows them (resized to `cell` px): (n, 3, cell, cell) uint8, captions left out."""
+    cols, rows, text_h = _grid_layout(n, cols, caption_lines)
+    if tuple(grid.shape) != (3, rows * (cell + text_h), cols * cell):
+        raise ValueError(
+            f"a grid of {tuple(grid.shape)} is not one of {n} images in {cols} columns of {cell} px"
+        )
+    return torch.stack(
+        [
+            grid[:, (i // cols) * (cell + text_h) :][:, :cell, (i % cols) * cell : (i % cols + 1) * cell]
+            for i in range(n)
+        ]
+    )
 
 
 def to_uint8(images: torch.Tensor) -> torch.Tensor:

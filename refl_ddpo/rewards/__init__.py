@@ -54,6 +54,7 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "toy_clean": ("refl_ddpo.rewards.toy", "toy_clean", True),
     "toy_color_clean": ("refl_ddpo.rewards.toy", "toy_color_clean", False),
     "toy_palette_clean": ("refl_ddpo.rewards.toy", "toy_palette_clean", True),
+    "toy_judge": ("refl_ddpo.rewards.toy", "toy_judge", False),
     "vlm_bertscore": ("refl_ddpo.rewards.vlm", "vlm_bertscore", False),
     "vlm_judge": ("refl_ddpo.rewards.vlm", "vlm_judge", False),
 }

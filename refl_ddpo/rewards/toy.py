@@ -25,8 +25,18 @@
                       plain toy_clean pays a wrong-coloured shape for shrinking (its pixels are dirty), and GRPO's
                       group std scales that up to +-1 in a group whose colours are all wrong; here such a group has
                       equal rewards and no gradient. Not differentiable.
+    toy_judge         the judge's verdict per image: 1.0 where the colour is the prompt's (toy_color_match) and
+                      the shape is clean by the judge's measures, grey >= JUDGE_MIN_GREY (0.4: the largest
+                      rendered shape, a 24-pixel square, leaves 0.4375 of the frame grey), dirty <= JUDGE_MAX_DIRTY
+                      (0.2: a rendered image has 0; the learning proofs bound the rise of the mean by 0.2) and
+                      ragged <= JUDGE_MAX_RAGGED (0.7: the most ragged rendered shape, the 10-pixel triangle, has
+                      0.64); else 0.0. info carries the four measures per image (colour_ok, grey, dirty, ragged).
+                      A gold measure for validation, apart from the proxy a trainer optimises: a frame filled with
+                      the colour, blotches and shapes broken into specks all score 0. On the committed base models,
+                      6 held-out prompts x 16 seeds at 20 steps: toy-sd 0.33 (colour accuracy 0.42), toy-sd3 0.44
+                      (accuracy 0.50). Not differentiable.
 
-Both parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
+All parse prompts with `toy_world.parse_prompt`: a prompt outside the grammar is a one-line UserError.
 """
 
 from __future__ import annotations
@@ -42,6 +52,33 @@ def toy_color_match(device: torch.device, dtype: torch.dtype, model_dir: str, **
         res = toy_world.judge(images, list(prompts))
         rewards = res["colour_ok"].to(device=device, dtype=torch.float32)
         return rewards, {"dirty": res["dirty"].to(device)}
+
+    return reward_fn
+
+
+# toy_judge's bounds on the judge's measures, per image (see the module doc for where each comes from)
+JUDGE_MIN_GREY = 0.4
+JUDGE_MAX_DIRTY = 0.2
+JUDGE_MAX_RAGGED = 0.7
+
+
+def judge_verdict(result: dict) -> torch.Tensor:
+    """The verdict (B,) bool of a `toy_world.judge` result: the right colour and a clean shape."""
+    return (
+        result["colour_ok"]
+        & (result["grey"] >= JUDGE_MIN_GREY)
+        & (result["dirty"] <= JUDGE_MAX_DIRTY)
+        & (result["ragged"] <= JUDGE_MAX_RAGGED)
+    )
+
+
+def toy_judge(device: torch.device, dtype: torch.dtype, model_dir: str, **options):
+    def reward_fn(images, prompts, metadata):
+        res = toy_world.judge(images, list(prompts))
+        info = {
+            k: res[k].to(device=device, dtype=torch.float32) for k in ("colour_ok", "grey", "dirty", "ragged")
+        }
+        return judge_verdict(res).to(device=device, dtype=torch.float32), info
 
     return reward_fn
 

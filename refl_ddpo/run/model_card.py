@@ -221,6 +221,7 @@ def _validation_section(records: list[dict], prompts_file) -> list[str]:
             lines.append(
                 "| " + " | ".join([str(r["count"]), *(_fmt(r["metrics"].get(k)) for k in keys)]) + " |"
             )
+        lines += _drift_table(records[0], last)
         lines += [
             "",
             (
@@ -234,6 +235,32 @@ def _validation_section(records: list[dict], prompts_file) -> list[str]:
     else:
         lines += ["No validation ran (train with `--validation_prompts_file` to get one).", ""]
 
+    return lines
+
+
+def _drift_table(first: dict, last: dict) -> list[str]:
+    """The drift monitors (refl_ddpo.run.drift) at the first and the last validation, one row each; nothing when
+    neither record has them."""
+    from refl_ddpo.run.drift import PREFIX
+
+    names = list(dict.fromkeys([*first.get("drift", {}), *last.get("drift", {})]))
+    if not names:
+        return []
+    shown = [first] if first is last else [first, last]
+    lines = [
+        "",
+        (
+            "Drift monitors at the first and the last validation (image brightness and saturation, the change from "
+            "the baseline's images, the diversity across a prompt's seeds, the trained weights' norm; "
+            "refl_ddpo.run.drift):"
+        ),
+        "",
+        "| monitor | " + " | ".join(f"{r['unit']} {r['count']}" for r in shown) + " |",
+        "|---" * (len(shown) + 1) + "|",
+    ]
+    for name in names:
+        values = (_fmt(r.get("drift", {}).get(name)) for r in shown)
+        lines.append(f"| {name.removeprefix(PREFIX)} | " + " | ".join(values) + " |")
     return lines
 
 

@@ -9,9 +9,12 @@ DDPO / GRPO: epochs) and after its last:
                              its embedded guidance) (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
                              each part), logged to every tracker with a captioned grid `validation/images`
+    drift                    `validation/drift/<name>` (refl_ddpo.run.drift): brightness, saturation, the change
+                             from the baseline's images, the diversity across a prompt's seeds, the trained
+                             weights' norm; logged beside the scores
     files                    output_dir/validation/{step|epoch}-N.png (the grid) and .json (the model family, the
-                             sampler, each image's prompt, seed and reward, and the means), which the model card
-                             reads
+                             sampler, each image's prompt, seed and reward, the means and the drift monitors),
+                             which the model card reads
 
 So the images change only with the weights, and `inference_lora.py --seed S --num_images_per_prompt n
 --num_inference_steps T --prompts_file FILE` draws the same ones from a saved LoRA. The main process alone validates
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +43,7 @@ class ValidationResult:
     grid: Path  # the captioned grid, output_dir/validation/{unit}-{count}.png
     records: list[dict]  # per image: prompt, seed, reward
     images: torch.Tensor  # (N, 3, H, W) in [0, 1], on the CPU
+    drift: dict[str, float] = field(default_factory=dict)  # validation/drift/<name> (refl_ddpo.run.drift)
 
 
 def validation_files(output_dir: str | Path) -> list[dict]:
@@ -147,6 +151,13 @@ class Validator:
         # The family's first sampler is its deterministic inference one (DDIM / flow Euler), run with eta 0.
         self.scheduler_name = next(iter(family.schedulers.values()))
         self.scheduler = family.scheduler(self.scheduler_name)
+        self.grid_cols = self.per_prompt * math.ceil(
+            4 / self.per_prompt
+        )  # whole prompts per row, at least 4 wide
+        # the baseline validation's images as its grid shows them (N, 3, 256, 256) uint8: kept from count 0, or
+        # read back from its files by a resumed run (None until then, or when they are not there)
+        self.baseline_cells: torch.Tensor | None = None
+        self.baseline_read = False
 
     def forget_after(self, count: int) -> None:
         """Delete the files of validations after `count` (all of them from 0): a run that starts or resumes there
@@ -173,6 +184,7 @@ class Validator:
             if is_sharded(self.accelerator):
                 with torch.no_grad():
                     self.draw_and_score()
+                self.trained_norm()
             return None
         from tqdm.auto import tqdm
 
@@ -180,15 +192,83 @@ class Validator:
         from refl_ddpo.run.outputs import log_grid
 
         images_all, rewards_all, parts = self.draw_and_score()
+        norm = self.trained_norm()
         stats = reward_stats(self.reward_spec, rewards_all, parts)
         metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
         name = f"{self.unit}-{count}"
-        grid, records = self.write(name, count, metrics, images_all, rewards_all)
-        self.accelerator.log({**metrics, f"validation/{self.unit}": count}, step=log_step)
+        grid = self.grid(images_all, rewards_all)
+        drift = self.drift(count, images_all, grid, norm)
+        records = self.write(name, count, metrics, drift, grid, rewards_all)
+        self.accelerator.log({**metrics, **drift, f"validation/{self.unit}": count}, step=log_step)
         log_grid(self.accelerator, GRID_TAG, grid, log_step)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
         tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
-        return ValidationResult(count, self.unit, metrics, self.folder / f"{name}.png", records, images_all)
+        return ValidationResult(
+            count, self.unit, metrics, self.folder / f"{name}.png", records, images_all, drift
+        )
+
+    def trained_norm(self) -> float | None:
+        """The L2 norm of the network's trained tensors (None without any); with FSDP every process calls it (the
+        squares of each process' shards are summed over the processes)."""
+        from refl_ddpo.core.sharding import is_sharded, local, trainable_params
+        from refl_ddpo.run.drift import sum_of_squares
+
+        params = trainable_params(self.family.network)
+        if not params:
+            return None
+        squares = sum_of_squares([local(p) for p in params])
+        if is_sharded(self.accelerator):
+            import torch.distributed as dist
+
+            dist.all_reduce(squares)
+        return float(squares.sqrt())
+
+    def drift(
+        self, count: int, images: torch.Tensor, grid: torch.Tensor, norm: float | None
+    ) -> dict[str, float]:
+        """The drift monitors of this validation (refl_ddpo.run.drift); the baseline's (count 0) grid cells are
+        kept for the change from it."""
+        from refl_ddpo.core.images import grid_cells
+        from refl_ddpo.run.drift import drift_metrics
+
+        cells = grid_cells(grid, len(images), self.grid_cols)
+        if count == 0:
+            self.baseline_cells, self.baseline_read = cells, True
+        elif not self.baseline_read:
+            self.baseline_cells, self.baseline_read = self.read_baseline(len(images)), True
+        return drift_metrics(images, self.per_prompt, cells, self.baseline_cells, norm)
+
+    def read_baseline(self, n: int) -> torch.Tensor | None:
+        """The baseline validation's grid cells from its files (a resumed run), or None when they are not there or
+        drew other prompts, seeds or sampler settings."""
+        from PIL import Image
+        from torchvision.transforms.functional import pil_to_tensor
+
+        from refl_ddpo.core.images import grid_cells
+
+        record = next((r for r in validation_files(self.folder.parent) if r.get("count") == 0), None)
+        path = self.folder / str((record or {}).get("grid", ""))
+        if record is None or not path.is_file():
+            return None
+        drawn = [(r.get("prompt"), r.get("seed")) for r in record.get("records", [])]
+        sampler = record.get("sampler", {})
+        if drawn != [(s.prompt, s.seed) for s in self.specs] or sampler != self.sampler():
+            return None
+        with Image.open(path) as im:
+            grid = pil_to_tensor(im.convert("RGB"))
+        try:
+            return grid_cells(grid, n, self.grid_cols)
+        except ValueError:
+            return None
+
+    def sampler(self) -> dict:
+        """How the validation images are drawn, as its records say."""
+        return {
+            "scheduler": self.scheduler_name,
+            "eta": 0.0,
+            "num_inference_steps": self.num_steps,
+            "guidance_scale": self.guidance_scale,
+        }
 
     def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
@@ -225,22 +305,32 @@ class Validator:
             network.train(was_training)
         return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
 
-    def write(
-        self, name: str, count: int, metrics: dict, images_all: torch.Tensor, rewards_all: torch.Tensor
-    ) -> tuple[torch.Tensor, list[dict]]:
-        """validation/NAME.png (the captioned grid) and NAME.json (metrics, sampler, one record per image); returns
-        the grid (3, H, W) uint8 and the records."""
-        from PIL import Image
+    def grid(self, images_all: torch.Tensor, rewards_all: torch.Tensor) -> torch.Tensor:
+        """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt."""
+        from refl_ddpo.core.images import caption_grid, fmt_score
 
-        from refl_ddpo.core.images import caption_grid, fmt_score, write_json_atomic
-
-        self.folder.mkdir(parents=True, exist_ok=True)
         captions = [
             f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
             for s, r in zip(self.specs, rewards_all, strict=True)
         ]
-        # whole prompts per row, at least 4 images wide
-        grid = caption_grid(images_all, captions, cols=self.per_prompt * math.ceil(4 / self.per_prompt))
+        return caption_grid(images_all, captions, cols=self.grid_cols)
+
+    def write(
+        self,
+        name: str,
+        count: int,
+        metrics: dict,
+        drift: dict,
+        grid: torch.Tensor,
+        rewards_all: torch.Tensor,
+    ) -> list[dict]:
+        """validation/NAME.png (the grid) and NAME.json (metrics, drift monitors, sampler, one record per image);
+        returns the records."""
+        from PIL import Image
+
+        from refl_ddpo.core.images import write_json_atomic
+
+        self.folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(self.folder / f"{name}.png")
         records = [
             {"prompt": s.prompt, "seed": s.seed, "reward": _finite(float(r))}
@@ -250,15 +340,11 @@ class Validator:
             "count": count,
             "unit": self.unit,
             "metrics": {k: _finite(v) for k, v in metrics.items()},
+            "drift": {k: _finite(v) for k, v in drift.items()},
             "grid": f"{name}.png",
             "family": self.family.name,
-            "sampler": {
-                "scheduler": self.scheduler_name,
-                "eta": 0.0,
-                "num_inference_steps": self.num_steps,
-                "guidance_scale": self.guidance_scale,
-            },
+            "sampler": self.sampler(),
             "records": records,
         }
         write_json_atomic(self.folder / f"{name}.json", summary)
-        return grid, records
+        return records
