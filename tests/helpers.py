@@ -459,3 +459,35 @@ def saved_lora(folder: Path) -> dict:
     from refl_ddpo.core.lora import LORA_WEIGHTS_NAME
 
     return load_file(folder / LORA_WEIGHTS_NAME)
+
+
+def kit_frames(network, run_fn, loop_name: str) -> int:
+    """The most frames of the kit's own code (files inside the refl_ddpo package) between the frame of the function
+    named `loop_name` (a trainer's loop; in a test, the test function) and a forward call of `network`, over every
+    call that `run_fn()` makes. torch's, diffusers', peft's and accelerate's frames do not count, nor the forward
+    pre-hook's own; frames of tests/ do not either. Fails when `run_fn` never calls the network, or when a call has
+    no frame named `loop_name` above it."""
+    import refl_ddpo
+
+    package = Path(refl_ddpo.__file__).resolve().parent
+    inside: dict[str, bool] = {}  # code file -> in the package
+    counts: list[int | None] = []
+
+    def hook(module, args):
+        frame, n = sys._getframe(1), 0  # from the hook's caller up
+        while frame is not None and frame.f_code.co_name != loop_name:
+            name = frame.f_code.co_filename
+            if name not in inside:
+                inside[name] = Path(name).resolve().is_relative_to(package)
+            n += inside[name]
+            frame = frame.f_back
+        counts.append(None if frame is None else n)
+
+    handle = network.register_forward_pre_hook(hook)
+    try:
+        run_fn()
+    finally:
+        handle.remove()
+    assert counts, "kit_frames: run_fn never called the network"
+    assert None not in counts, f"kit_frames: a network call with no frame named {loop_name!r} above it"
+    return max(counts)

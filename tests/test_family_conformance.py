@@ -8,7 +8,9 @@ AlignProp, DRaFT-LV, DDPO, GRPO, DiffusionNFT, AWM) moving its LoRA and no base 
 What only one family has (SDXL's added conditions, SD3's T5 handling, FLUX.1's packing, position ids and guidance
 embedding, Qwen-Image's true-CFG rescale, ...) is tested in that family's own file."""
 
+import functools
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from helpers import (
     assert_lora_changes_stock_images,
     assert_lora_moves_the_scores,
     ddpo_first_update,
+    kit_frames,
     trainer_flags,
     watch_training,
 )
@@ -282,6 +285,47 @@ def test_loop_reproduces_stock_pipeline(name, loop, stock, record_property):
     diff = (ours - ref).abs().max().item()
     record_property("max_grey_levels", diff * 255)
     assert diff <= spec.tolerance
+
+
+# ---- the kit's frames between a loop and the network ----
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_denoise_reaches_the_network_in_two_kit_frames(name, tiny_models):
+    """A trainer's loop reaches the network in at most 3 of the kit's frames; the core's share is 2: `denoise` calls
+    `family.predict`, which calls the network itself. So without CFG, with CFG (one call on the doubled batch, or
+    two calls for true CFG: FLUX.1's turned on here) and with a grad step under `checkpoint` (torch's frames, not
+    counted); every step feeds the network 2 images, 4 with CFG. The counter itself: `predict` called directly is
+    1 frame, and a loop name that is not on the stack fails."""
+    spec = FAMILIES[name]
+    family = load_family(str(tiny_models / spec.model))
+    if spec.embedded_guidance:
+        family.true_cfg_scale = 2.0  # FLUX.1's true CFG against the empty prompt (off by default)
+    network, here = family.network, inspect.currentframe().f_code.co_name
+    fed = []  # images per network call
+    handle = network.register_forward_pre_hook(
+        lambda _, args, kwargs: fed.append((args[0] if args else kwargs["hidden_states"]).shape[0]),
+        with_kwargs=True,
+    )
+    cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+    noise = family.initial_noise(2, RES, _generators(), cond["prompt_embeds"].dtype)
+    scheduler = family.policy_scheduler()
+    modes = {"no CFG": (None, 1.0, {}), "CFG": (uncond, 4.0, {})}
+    modes["CFG, checkpointed grad step"] = (uncond, 4.0, {"grad_steps": {1}, "checkpoint_grad_steps": True})
+    try:
+        for mode, (negative, guidance, kw) in modes.items():
+            fed.clear()
+            run = functools.partial(denoise, family, scheduler, cond, negative, noise, 2, guidance, **kw)
+            assert kit_frames(network, run, here) == 2, mode
+            assert sum(fed) == 2 * (2 if negative is None else 4), (mode, fed)
+        t = scheduler.timesteps[0]
+        with torch.no_grad():
+            direct = functools.partial(family.predict, noise, t, scheduler, cond, uncond, 4.0)
+            assert kit_frames(network, direct, here) == 1
+            with pytest.raises(AssertionError, match="no frame named 'no_such_loop'"):
+                kit_frames(network, direct, "no_such_loop")
+    finally:
+        handle.remove()
 
 
 # ---- the LoRA core: the reward gradient, the saved LoRA in the stock pipeline, a resume ----

@@ -46,19 +46,27 @@ def pooled_conds(embeds, negative, pooled, negative_pooled, with_negative: bool)
     return cond, uncond
 
 
-def guided(
-    call, latents: torch.Tensor, timesteps: torch.Tensor, cond: Cond, uncond: Cond | None, guidance_scale
-):
-    """`call(latents, timesteps, cond)` with CFG as the pipelines batch it: one call on the doubled batch [uncond,
-    text] and uncond + s (text - uncond) when guidance_scale > 1 and `uncond` is given, else one call on `cond`.
-    `timesteps` is a scalar or one per sample (B,)."""
+def cfg_inputs(
+    latents: torch.Tensor, timesteps: torch.Tensor, cond: Cond, uncond: Cond | None, guidance_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, Cond, bool]:
+    """The network's inputs (latents, timesteps, conditioning, doubled) with CFG as the pipelines batch it: the
+    doubled batch [uncond, text] when guidance_scale > 1 and `uncond` is given (doubled True), else the inputs as
+    they are. `timesteps` is a scalar or one per sample (B,). The caller calls the network on them and hands its
+    output to `cfg_combine`."""
     if guidance_scale > 1.0 and uncond is not None:
         if timesteps.ndim == 1:
             timesteps = torch.cat([timesteps, timesteps])
-        out = call(torch.cat([latents, latents]), timesteps, cond_cat([uncond, cond]))
-        out_uncond, out_text = out.chunk(2)
-        return out_uncond + guidance_scale * (out_text - out_uncond)
-    return call(latents, timesteps, cond)
+        return torch.cat([latents, latents]), timesteps, cond_cat([uncond, cond]), True
+    return latents, timesteps, cond, False
+
+
+def cfg_combine(out: torch.Tensor, guidance_scale: float, doubled: bool) -> torch.Tensor:
+    """The network's output on `cfg_inputs`' batch guided: uncond + s (text - uncond) from the doubled batch's two
+    halves, or `out` itself when it was not doubled."""
+    if not doubled:
+        return out
+    out_uncond, out_text = out.chunk(2)
+    return out_uncond + guidance_scale * (out_text - out_uncond)
 
 
 class ModelFamily(ABC):
@@ -249,7 +257,9 @@ class ModelFamily(ABC):
         guidance_scale: float,
         network=None,
     ) -> torch.Tensor:
-        """The network's output (noise, velocity ...) at (latents, timesteps), with CFG batched as the pipeline."""
+        """The network's output (noise, velocity ...) at (latents, timesteps), with CFG batched as the pipeline
+        (`cfg_inputs`, `cfg_combine`). It calls the network itself, with no function of the kit in between, so
+        that `denoise` reaches the network in two of the kit's frames (tests/test_family_conformance.py counts)."""
 
     @abstractmethod
     def step(self, scheduler, model_output, timestep, latents, eta: float, generator):

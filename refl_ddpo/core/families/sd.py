@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from refl_ddpo.core.families.base import Cond, ModelFamily, guided
+from refl_ddpo.core.families.base import Cond, ModelFamily, cfg_combine, cfg_inputs
 from refl_ddpo.core.steps.ddim import ddim_step_kl, ddim_step_with_logprob_and_x0
 
 
@@ -44,15 +44,18 @@ class StableDiffusion(ModelFamily):
         guidance_scale: float,
         network=None,
     ) -> torch.Tensor:
-        """Noise prediction (B, C, h, w); CFG in one call on the doubled batch [uncond, text] (as the pipeline)
-        when guidance_scale > 1 and `uncond` is given. `timesteps` is a scalar or one per sample (B,)."""
+        """Noise prediction (B, C, h, w), the UNet called with `unet_conditioning`'s arguments; CFG in one call on
+        the doubled batch [uncond, text] (as the pipeline) when guidance_scale > 1 and `uncond` is given.
+        `timesteps` is a scalar or one per sample (B,)."""
         unet = network if network is not None else self.network
         latents = scheduler.scale_model_input(latents, timesteps)
+        x, t, c, doubled = cfg_inputs(latents, timesteps, cond, uncond, guidance_scale)
+        out = unet(x, t, **self.unet_conditioning(x, c), return_dict=False)[0]
+        return cfg_combine(out, guidance_scale, doubled)
 
-        def call(x, t, c: Cond) -> torch.Tensor:
-            return unet(x, t, encoder_hidden_states=c["prompt_embeds"], return_dict=False)[0]
-
-        return guided(call, latents, timesteps, cond, uncond, guidance_scale)
+    def unet_conditioning(self, latents: torch.Tensor, cond: Cond) -> dict:
+        """The UNet's conditioning arguments for a batch of `latents` (the network's input): the text embeddings."""
+        return {"encoder_hidden_states": cond["prompt_embeds"]}
 
     def step(self, scheduler, model_output, timestep, latents, eta: float, generator):
         out = scheduler.step(model_output, timestep, latents, **_step_kwargs(scheduler, eta, generator))

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from refl_ddpo.core.families.base import Cond, ModelFamily, guided, pooled_conds
+from refl_ddpo.core.families.base import Cond, ModelFamily, cfg_combine, cfg_inputs, pooled_conds
 from refl_ddpo.core.steps.flow_sde import (
     flow_euler_step,
     flow_pred_x0,
@@ -106,17 +106,15 @@ class StableDiffusion3(ModelFamily):
         transformer = network if network is not None else self.network
         latents = latents.to(cond["prompt_embeds"].dtype)
         timesteps = timesteps.expand(latents.shape[0]) if timesteps.ndim == 0 else timesteps
-
-        def call(x, t, c: Cond) -> torch.Tensor:
-            return transformer(
-                hidden_states=x,
-                timestep=t,
-                encoder_hidden_states=c["prompt_embeds"],
-                pooled_projections=c["pooled_prompt_embeds"],
-                return_dict=False,
-            )[0]
-
-        return guided(call, latents, timesteps, cond, uncond, guidance_scale)
+        x, t, c, doubled = cfg_inputs(latents, timesteps, cond, uncond, guidance_scale)
+        out = transformer(
+            hidden_states=x,
+            timestep=t,
+            encoder_hidden_states=c["prompt_embeds"],
+            pooled_projections=c["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
+        return cfg_combine(out, guidance_scale, doubled)
 
     def step(self, scheduler, model_output, timestep, latents, eta: float, generator):
         """The scheduler's deterministic Euler step (stateless here; `eta` and `generator` are unused: the

@@ -11,12 +11,10 @@ VAE upcast to float32 when its config says `force_upcast`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.families.base import Cond, guided, pooled_conds
+from refl_ddpo.core.families.base import Cond, pooled_conds
 from refl_ddpo.core.families.sd import StableDiffusion
 
 
@@ -70,29 +68,12 @@ class StableDiffusionXL(StableDiffusion):
         )
         return ids.expand(latents.shape[0], 6)
 
-    def _unet(self, unet, latents, timesteps, cond: Cond) -> torch.Tensor:
+    def unet_conditioning(self, latents: torch.Tensor, cond: Cond) -> dict:
+        """The text embeddings and the UNet's added conditions for a batch of `latents` (the network's input, CFG's
+        doubled batch included): the pooled text and `time_ids`."""
         embeds = cond["prompt_embeds"]
         added = {"text_embeds": cond["pooled_prompt_embeds"], "time_ids": self.add_time_ids(latents, embeds)}
-        return unet(
-            latents, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added, return_dict=False
-        )[0]
-
-    def predict(
-        self,
-        latents,
-        timesteps,
-        scheduler,
-        cond: Cond,
-        uncond: Cond | None,
-        guidance_scale: float,
-        network=None,
-    ) -> torch.Tensor:
-        """Noise prediction (B, 4, h, w) with the pooled text and `time_ids` as the UNet's added conditions; CFG in
-        one call on the doubled batch [uncond, text] (as the pipeline) when guidance_scale > 1 and `uncond` is
-        given. `timesteps` is a scalar or one per sample (B,)."""
-        unet = network if network is not None else self.network
-        latents = scheduler.scale_model_input(latents, timesteps)
-        return guided(functools.partial(self._unet, unet), latents, timesteps, cond, uncond, guidance_scale)
+        return {"encoder_hidden_states": embeds, "added_cond_kwargs": added}
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """As the pipeline: latents * latents_std / scaling_factor + latents_mean where the VAE config has both,
