@@ -96,24 +96,28 @@ KIT_FRAMES = (
 LOOP_MODULES = ("reward_backprop.py", "policy_gradient.py", "forward_process.py")
 
 
-def kit_frames_below_loop(frame) -> list[str] | None:
-    """The kit's frames (refl_ddpo/ files, as 'module.function') between `frame` and the nearest trainer loop above it
-    (a family module's `train`), innermost last; None when no loop is above it or validation's code is."""
+def kit_frames_up_to(frame, is_loop) -> list[str] | None:
+    """The kit's frames (files inside the refl_ddpo package, as 'module.function') from `frame` up to the nearest
+    frame whose code `is_loop(code)` says is the loop, innermost last; None when no such frame is above it."""
     import refl_ddpo
 
-    package = str(Path(refl_ddpo.__file__).parent)
+    package = Path(refl_ddpo.__file__).resolve().parent
     names = []
     while frame is not None:
         code = frame.f_code
-        path = code.co_filename
-        if code.co_name == "train" and path.endswith(LOOP_MODULES):
+        if is_loop(code):
             return names[::-1]
-        if path.endswith("validation.py") and path.startswith(package):
-            return None
-        if path.startswith(package):
-            names.append(f"{Path(path).stem}.{code.co_name}")
+        if Path(code.co_filename).resolve().is_relative_to(package):
+            names.append(f"{Path(code.co_filename).stem}.{code.co_name}")
         frame = frame.f_back
     return None
+
+
+def kit_frames_below_loop(frame) -> list[str] | None:
+    """`kit_frames_up_to` a trainer's loop (its family module's `train`); None when no loop is above `frame` or
+    validation's code is (refl_ddpo/run/validation.py: not the training loop's path)."""
+    names = kit_frames_up_to(frame, lambda c: c.co_name == "train" and c.co_filename.endswith(LOOP_MODULES))
+    return None if names is None or any(n.startswith("validation.") for n in names) else names
 
 
 class TrainingWatch:
@@ -467,21 +471,11 @@ def kit_frames(network, run_fn, loop_name: str) -> int:
     call that `run_fn()` makes. torch's, diffusers', peft's and accelerate's frames do not count, nor the forward
     pre-hook's own; frames of tests/ do not either. Fails when `run_fn` never calls the network, or when a call has
     no frame named `loop_name` above it."""
-    import refl_ddpo
-
-    package = Path(refl_ddpo.__file__).resolve().parent
-    inside: dict[str, bool] = {}  # code file -> in the package
     counts: list[int | None] = []
 
     def hook(module, args):
-        frame, n = sys._getframe(1), 0  # from the hook's caller up
-        while frame is not None and frame.f_code.co_name != loop_name:
-            name = frame.f_code.co_filename
-            if name not in inside:
-                inside[name] = Path(name).resolve().is_relative_to(package)
-            n += inside[name]
-            frame = frame.f_back
-        counts.append(None if frame is None else n)
+        names = kit_frames_up_to(sys._getframe(1), lambda c: c.co_name == loop_name)
+        counts.append(None if names is None else len(names))
 
     handle = network.register_forward_pre_hook(hook)
     try:
