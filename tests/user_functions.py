@@ -43,3 +43,33 @@ def fixed_prompt():
 
 def bad_prompt():
     return "a red circle"
+
+
+def _scheduled(name: str, images, prompts):
+    """On held-out prompts (each starts with "held-out"), the next value of the comma list in the environment
+    variable {NAME}_VALUES for every image, the calls counted in the file {NAME}_CALLS; elsewhere redness (so that
+    training has a gradient). With one validation batch, call n is validation n: the tests force a metric up or
+    down."""
+    import os
+    from pathlib import Path
+
+    if not all(p.startswith("held-out") for p in prompts):
+        return redness(images, prompts, {})[0]
+    calls = Path(os.environ[f"{name}_CALLS"])
+    n = int(calls.read_text()) if calls.is_file() else 0
+    calls.write_text(str(n + 1))
+    value = float(os.environ[f"{name}_VALUES"].split(",")[n])
+    return images.mean(dim=(1, 2, 3)) * 0 + value
+
+
+def gold_schedule(images, prompts, metadata):
+    """A validation reward the test scripts: GOLD_VALUES, GOLD_CALLS."""
+    return _scheduled("GOLD", images, prompts), {}
+
+
+def proxy_schedule(images, prompts, metadata):
+    """A training reward whose validation means the test scripts (PROXY_VALUES, PROXY_CALLS); redness in training."""
+    return _scheduled("PROXY", images, prompts), {}
+
+
+proxy_schedule.differentiable = True

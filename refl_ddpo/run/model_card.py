@@ -142,6 +142,7 @@ def model_card(
     network_name: str,
     progress: dict[str, int],
     repo_id: str | None = None,
+    notes: list[str] | tuple = (),
 ):
     """The `ModelCard` of the run in `out_dir` (its validation records are read from out_dir/validation).
 
@@ -149,7 +150,8 @@ def model_card(
     absolute path): the card lists its settings and names its base model, reward and weights (LoRA or all);
     `validation`: how the run validated (the usage examples draw those images again);
     `progress`: what was trained, e.g. {"optimizer steps": 160} or {"epochs": 16, "optimizer steps": 32};
-    `repo_id`: the hub repo it is pushed to (the loading example then names it instead of the folder)."""
+    `repo_id`: the hub repo it is pushed to (the loading example then names it instead of the folder);
+    `notes`: more lines after the validation section (the guard's: refl_ddpo.run.guard)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     from refl_ddpo.core.models import looks_local
@@ -196,6 +198,7 @@ def model_card(
     lines += ["", "Every setting of the run is in `config.json` beside the weights.", ""]
 
     lines += _validation_section(records, validation.prompts_file)
+    lines += list(notes)
     lines += _usage_section(validation, records, lora, base, where, network_class, network_name)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 

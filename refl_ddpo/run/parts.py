@@ -265,6 +265,37 @@ class ValidationPart:
     validation_batch_size: int = field_(
         4, "Validation images per network batch: memory and speed (the images change only by float rounding)."
     )
+    validation_reward: str | None = field_(
+        None,
+        "Rewards the validation images are also scored by, which training never optimises (a gold measure beside "
+        "the proxy): the grammar of --reward, weights and user functions included (e.g. toy_judge, or "
+        "'aesthetic:1,my_module:judge:0.5'); each logged as validation/<name>/mean|std (a weighted sum's total as "
+        "validation/validation_reward/mean|std) and written in the validation records. None = only the training "
+        "reward.",
+    )
+    early_stop_metric: str | None = field_(
+        None,
+        "A validation key to keep the best weights by and stop on (e.g. validation/toy_judge/mean, "
+        "validation/drift/brightness): each validation that improves it writes output_dir/best/ (the weights, the "
+        "grid, best.json) and records best_step and best_metric in run.json. None = no early stopping.",
+    )
+    early_stop_mode: Literal["max", "min"] = field_(
+        "max", "Whether --early_stop_metric improves upwards (max) or downwards (min)."
+    )
+    early_stop_patience: int = field_(
+        0,
+        "Stop after this many validations in a row without an improvement of --early_stop_metric (0: never stop, "
+        "only keep the best weights).",
+        ge=0,
+    )
+    early_stop_min_delta: float = field_(
+        0.0, "An improvement counts when it is larger than this (in the metric's units).", ge=0
+    )
+    final_weights: Literal["auto", "best", "last"] = field_(
+        "auto",
+        "What the final folder, the model card and the hub push hold: the best validation's weights (best/) or the "
+        "last ones; auto: best when --early_stop_metric is set, else last.",
+    )
 
 
 @dataclass(frozen=True)

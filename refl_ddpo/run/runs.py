@@ -289,15 +289,16 @@ def _check_claim(cfg, output_dir: Path, resume: Path | None, record: dict | None
 
 def clear_run(output_dir: Path, logging_dir: str) -> list[str]:
     """Delete the old run's files from output_dir (checkpoints, final weights, run.json, the logs in
-    `logging_dir`, debug/, validation/ and the model card)."""
+    `logging_dir`, debug/, validation/, best/ and the model card)."""
     names = run_files(output_dir)
     logs = output_dir / logging_dir
     if logs.exists() and _is_inside(logs, output_dir) and logs.resolve() != output_dir.resolve():
         names.append(logging_dir)
+    from refl_ddpo.run.guard import BEST_DIR
     from refl_ddpo.run.model_card import CARD_NAME, is_our_card
     from refl_ddpo.run.validation import VALIDATION_DIR
 
-    for extra in ("debug", VALIDATION_DIR):
+    for extra in ("debug", VALIDATION_DIR, BEST_DIR):
         if (output_dir / extra).is_dir():
             names.append(extra)
     if (output_dir / CARD_NAME).is_file() and is_our_card(output_dir / CARD_NAME):  # a user's own stays

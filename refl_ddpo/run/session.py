@@ -9,7 +9,7 @@ add_optimizer(run)                           AdamW (or 8-bit) over run.params
   ... what rests on the optimizer or the weights (lr schedule, EMA, the old policy)
 prepare(run)                                 accelerate's prepare: run.network, run.optimizer
 saved = begin_run(run, sizes)                trackers, the config printed; the checkpoint's (counters, tensors)
-validate = validation(run, every, ...)       validate(done, step): the baseline, every N, the last
+validate = validation(run, every, ...)       validate(done, step) -> stop: the baseline, every N, the last; best/
 save_run_checkpoint(run, done, ...)          output_dir/checkpoint-N
 finish_run(run, progress)                    final weights, config.json, model card, hub; one set of weights
 """
@@ -47,6 +47,8 @@ class Run:
     network: Any = None  # prepared (DDP-wrapped on several processes): every forward with grad calls it
     optimizer: Any = None  # prepared
     reward: Any = None  # refl_ddpo.rewards: (images, prompts, metadata) -> (rewards, parts)
+    guard: Any = None  # refl_ddpo.run.guard.Guard with --early_stop_metric
+    guard_state: dict | None = None  # the guard's counters in the checkpoint this run resumes from
 
     @property
     def main(self) -> bool:
@@ -64,6 +66,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     from refl_ddpo.core.families import resolve_guidance, resolve_lora_targets
     from refl_ddpo.core.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
+    from refl_ddpo.run.guard import check_guard
     from refl_ddpo.run.hub import check_push
     from refl_ddpo.run.validation import check_validation_prompts
 
@@ -71,6 +74,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     cfg = resolve_guidance(resolve_lora_targets(cfg))
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     check_validation_prompts(cfg)
+    check_guard(cfg)
     check_push(cfg)
     return cfg
 
@@ -209,7 +213,9 @@ def begin_run(run: Run, sizes: dict[str, Any]) -> tuple[dict, dict[str, torch.Te
     if accelerator.is_main_process:
         print_config(cfg, {**sizes, "processes": accelerator.num_processes, "resume from": resume})
     if resume is not None:
-        return load_checkpoint(accelerator, resume)
+        counters, tensors = load_checkpoint(accelerator, resume)
+        run.guard_state = counters.pop("guard", None)
+        return counters, tensors
     if cfg.resume_from_checkpoint:
         accelerator.print(f"no checkpoint-N in {cfg.output_dir} yet: starting at {run.unit} 0")
     return None
@@ -221,10 +227,12 @@ def validation(
     last: int,
     first: int,
     weights: Callable[[], AbstractContextManager] = nullcontext,
-) -> Callable[[int, int], None]:
+) -> Callable[[int, int], bool]:
     """`validate(done, step)`: validates the weights `weights()` holds (an EMA run's average) after `done`
     iterations, logged at tracker step `step`, when due (0: the baseline, every `every`, the `last`) and not already
-    done by the run this one resumes (`first`). Without --validation_prompts_file it does nothing."""
+    done by the run this one resumes (`first`); returns whether the run stops there (--early_stop_*, with best/
+    written by the guard: refl_ddpo.run.guard). Without --validation_prompts_file it does nothing."""
+    from refl_ddpo.run.guard import guarded, make_guard, start_guard, validation_scorers
     from refl_ddpo.run.validation import make_validator
 
     cfg = run.cfg
@@ -239,13 +247,18 @@ def validation(
         unit=run.unit,
         last=last,
         start=first,
+        scorers=validation_scorers(cfg, run.accelerator.device, run.dtype),
     )
+    run.guard = make_guard(cfg, run.unit, run.guard_state)
+    if run.guard is not None and run.main:
+        start_guard(cfg.output_dir, run.guard, first)
 
-    def validate(done: int, step: int) -> None:
+    def validate(done: int, step: int) -> bool:
         if validator is None or not validator.due(done) or (done == first and first > 0):
-            return
+            return False
         with weights():
-            validator(done, step)
+            result = validator(done, step)
+            return run.guard is not None and guarded(run, result, done, step, save_weights)
 
     return validate
 
@@ -257,6 +270,10 @@ def save_run_checkpoint(run: Run, done: int, counters: dict, tensors: dict[str, 
     from refl_ddpo.run.resume_fit import settings
 
     cfg = run.cfg
+    if (
+        run.guard is not None
+    ):  # the best so far and the patience, for a resumed run to stop where this one would
+        counters = {**counters, "guard": run.guard.state()}
     path = save_checkpoint(
         run.accelerator,
         cfg.output_dir,
@@ -275,38 +292,67 @@ def save_run_checkpoint(run: Run, done: int, counters: dict, tensors: dict[str, 
     return path
 
 
-def finish_run(run: Run, progress: dict[str, int]) -> Path:
-    """The final LoRA (diffusers format), the resolved config (config.json) and the model card README.md
-    (refl_ddpo.run.model_card) at the top of output_dir; then, with --push_to_hub, the upload (main process); a
-    check that every process holds the same weights. A local base model is recorded by its absolute path, so that
-    inference_lora.py finds it from any working directory. `progress` ("optimizer steps": N, ...) goes to the card.
-    Returns output_dir."""
+def saved_config(cfg: CommonConfig) -> dict:
+    """config.json beside the weights: the resolved config, a local base model by its absolute path (so that
+    inference_lora.py finds it from any working directory)."""
     import os
 
+    saved = cfg.to_dict()
+    if os.path.exists(saved["pretrained_model"]):
+        saved["pretrained_model"] = os.path.abspath(saved["pretrained_model"])
+    return saved
+
+
+def save_weights(run: Run, folder: str | Path) -> None:
+    """The trained weights as the final save writes them (the LoRA in diffusers format, or the network) and
+    config.json, to `folder`: every process calls it (a sharded network is gathered), the main one writes."""
     from refl_ddpo.core.lora import save_lora
     from refl_ddpo.core.sharding import gathered_state, is_sharded
-    from refl_ddpo.run.checkpoints import check_finite_weights
-    from refl_ddpo.run.training import check_identical_weights
     from refl_ddpo.run.zero import unwrap
 
-    cfg, accelerator, network, output_dir = run.cfg, run.accelerator, run.network, run.cfg.output_dir
-    config = cfg.to_dict()
-    accelerator.wait_for_everyone()
-    check_finite_weights(unwrap(accelerator, network), f"not saving the final weights to {output_dir}")
-    state = None
-    if is_sharded(accelerator):  # gathered from the shards by every process, written once by the main one
+    network, state = run.network, None
+    if is_sharded(run.accelerator):  # gathered from the shards by every process, written once by the main one
         state = gathered_state(network, trainable_only=bool(getattr(network, "peft_config", None)))
+    if run.main:
+        save_lora(unwrap(run.accelerator, network), folder, config=saved_config(run.cfg), state=state)
+
+
+def final_weights(run: Run) -> str:
+    """The final weights at the top of output_dir: best/'s copied (--final_weights best, refl_ddpo.run.guard), or
+    the trained ones written (every process calls it). Returns which, for the log line."""
+    from refl_ddpo.run.checkpoints import check_finite_weights
+    from refl_ddpo.run.guard import best_folder, copy_best
+    from refl_ddpo.run.zero import unwrap
+
+    output_dir = Path(run.cfg.output_dir)
+    best = best_folder(output_dir, run.guard)
+    if best is None:
+        where = f"not saving the final weights to {output_dir}"
+        check_finite_weights(unwrap(run.accelerator, run.network), where)
+        save_weights(run, output_dir)
+        return "final weights"
+    if run.main:
+        copy_best(best, output_dir)
+    return f"the best weights ({run.unit} {run.guard.best_count}, from {best.name}/)"
+
+
+def finish_run(run: Run, progress: dict[str, int]) -> Path:
+    """The final LoRA (diffusers format; best/'s with --final_weights best), the resolved config (config.json) and
+    the model card README.md (refl_ddpo.run.model_card) at the top of output_dir; then, with --push_to_hub, the
+    upload (main process); a check that every process holds the same weights. `progress` ("optimizer steps": N,
+    ...) goes to the card. Returns output_dir."""
+    from refl_ddpo.run.training import check_identical_weights
+
+    cfg, accelerator, output_dir = run.cfg, run.accelerator, run.cfg.output_dir
+    accelerator.wait_for_everyone()
+    held = final_weights(run)
     if accelerator.is_main_process:
         from refl_ddpo.run.model_card import CARD_NAME, model_card
 
-        saved = dict(config)
-        if os.path.exists(config["pretrained_model"]):
-            saved["pretrained_model"] = os.path.abspath(config["pretrained_model"])
-        save_lora(unwrap(accelerator, network), output_dir, config=saved, state=state)
         family = run.family
         card = model_card(
             output_dir,
-            config,
+            cfg.to_dict(),
             validation_spec(cfg),
             run.name,
             family.name,
@@ -314,9 +360,10 @@ def finish_run(run: Run, progress: dict[str, int]) -> Path:
             family.network_name,
             progress,
             run.repo_id,
+            notes=run.guard.card_lines() if run.guard is not None else (),
         )
         card.save(Path(output_dir) / CARD_NAME)
-        print(f"saved final weights, config.json and {CARD_NAME} to {output_dir}", flush=True)
+        print(f"saved {held}, config.json and {CARD_NAME} to {output_dir}", flush=True)
     accelerator.wait_for_everyone()
     if run.repo_id is not None and accelerator.is_main_process:  # after the barrier: the others may finish
         from refl_ddpo.run.hub_push import push_run

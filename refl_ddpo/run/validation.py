@@ -8,7 +8,8 @@ DDPO / GRPO: epochs) and after its last:
                              FLUX.1), --validation_num_steps steps, CFG --validation_guidance_scale (FLUX.1-dev:
                              its embedded guidance) (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
-                             each part), logged to every tracker with a captioned grid `validation/images`
+                             each part), logged to every tracker with a captioned grid `validation/images`; and
+                             --validation_reward's, rewards never trained on, beside them (refl_ddpo.run.guard)
     drift                    `validation/drift/<name>` (refl_ddpo.run.drift): brightness, saturation, the change
                              from the baseline's images, the diversity across a prompt's seeds, the trained
                              weights' norm; logged beside the scores
@@ -33,6 +34,7 @@ import torch
 
 VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
 GRID_TAG = "validation/images"
+SCORED = "validation_reward/"  # --validation_reward's per-image scores among the parts draw_and_score returns
 
 
 @dataclass
@@ -101,14 +103,17 @@ def make_validator(
     unit: str,
     last: int,
     start: int,
+    scorers: tuple = (),
 ):
     """The trainer's Validator, or None without a prompts file; the records of validations after `start` (from a
-    run that went further and was not resumed from there) are forgotten."""
+    run that went further and was not resumed from there) are forgotten. `scorers`: (spec, reward) of
+    --validation_reward, or nothing."""
     if not spec.prompts_file:
         return None
     validator = Validator(
         accelerator, family, reward, reward_spec, spec, output_dir, every=every, unit=unit, last=last
     )
+    validator.scorers = scorers
     validator.forget_after(start)
     return validator
 
@@ -158,6 +163,7 @@ class Validator:
         # read back from its files by a resumed run (None until then, or when they are not there)
         self.baseline_cells: torch.Tensor | None = None
         self.baseline_read = False
+        self.scorers: tuple = ()  # (spec, reward) of --validation_reward: scored and logged, never trained on
 
     def forget_after(self, count: int) -> None:
         """Delete the files of validations after `count` (all of them from 0): a run that starts or resumes there
@@ -195,6 +201,7 @@ class Validator:
         norm = self.trained_norm()
         stats = reward_stats(self.reward_spec, rewards_all, parts)
         metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
+        metrics.update(self.scorer_stats(parts))
         name = f"{self.unit}-{count}"
         grid = self.grid(images_all, rewards_all)
         drift = self.drift(count, images_all, grid, norm)
@@ -206,6 +213,21 @@ class Validator:
         return ValidationResult(
             count, self.unit, metrics, self.folder / f"{name}.png", records, images_all, drift
         )
+
+    def scorer_stats(self, parts: dict[str, torch.Tensor]) -> dict[str, float]:
+        """validation/<name>/mean|std of --validation_reward (a weighted sum's total as validation_reward), from the
+        per-image scores draw_and_score keeps under the "validation_reward/" prefix in `parts`."""
+        from refl_ddpo.rewards import reward_stats
+        from refl_ddpo.run.guard import VALIDATION_TOTAL
+
+        out = {}
+        for spec, _ in self.scorers:
+            scored = {k.removeprefix(SCORED): v for k, v in parts.items() if k.startswith(SCORED)}
+            stats = reward_stats(spec, scored.pop(""), scored)
+            out.update({"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()})
+        return {
+            k.replace("validation/total/", f"validation/{VALIDATION_TOTAL}/", 1): v for k, v in out.items()
+        }
 
     def trained_norm(self) -> float | None:
         """The L2 norm of the network's trained tensors (None without any); with FSDP every process calls it (the
@@ -296,6 +318,7 @@ class Validator:
                     ).clone()  # (B, 3, H, W) in [0, 1]; out of inference mode for the reward
                 with torch.no_grad():
                     r, info = self.reward(pixels, prompts, [dict(s.metadata) for s in batch])
+                    info = {**info, **self.score(pixels, prompts, [dict(s.metadata) for s in batch])}
                 images.append(pixels.float().cpu())
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
@@ -304,6 +327,20 @@ class Validator:
         finally:
             network.train(was_training)
         return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
+
+    def score(
+        self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict]
+    ) -> dict[str, torch.Tensor]:
+        """--validation_reward's scores of a batch (B,), and its parts', under the "validation_reward/" prefix."""
+        out = {}
+        for _, scorer in self.scorers:
+            r, info = scorer(pixels, prompts, metadata)
+            r = torch.as_tensor(r, dtype=torch.float32)
+            out[SCORED] = r
+            out.update(
+                {SCORED + k: v for k, v in info.items() if isinstance(v, torch.Tensor) and v.shape == r.shape}
+            )
+        return out
 
     def grid(self, images_all: torch.Tensor, rewards_all: torch.Tensor) -> torch.Tensor:
         """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt."""

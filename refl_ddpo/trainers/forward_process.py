@@ -71,6 +71,7 @@ def train(cfg: NFTConfig | AWMConfig, image_samples_hook: ImageSamplesHook | Non
     )
     validate(first, counters.global_step)  # the baseline, in a fresh run
     counters.started = time.perf_counter()  # the epoch line's clock
+    done = first
     with reward_pool(cfg) as executor:
         for epoch in range(first, cfg.num_epochs):
             # ---- plan and sample: prompts in groups; the old policy (NFT) or the current weights (AWM) draw ----
@@ -98,12 +99,14 @@ def train(cfg: NFTConfig | AWMConfig, image_samples_hook: ImageSamplesHook | Non
                 for inner in range(cfg.train_num_inner_epochs):
                     train_pass(run, fp, samples, seeded_generator(cfg.seed, epoch, run.rank, 2, inner), bar)
             update_old_policy(run, fp, epoch)
+            done = epoch + 1
             # ---- validation and checkpoint-N ----
-            validate(epoch + 1, counters.global_step)
+            if validate(epoch + 1, counters.global_step):  # --early_stop_patience ran out
+                break
             if checkpoint_due(cfg, epoch + 1):
                 save_run_checkpoint(run, epoch + 1, counters.state(epoch + 1), state_tensors(fp))
     release(run, fp)
-    return finish_run(run, {"epochs": cfg.num_epochs, "optimizer steps": counters.global_step})
+    return finish_run(run, {"epochs": done, "optimizer steps": counters.global_step})
 
 
 # ---- the set-up ----

@@ -87,6 +87,7 @@ def train(cfg: ReFLConfig) -> Path:
     validate(first, first)  # the baseline: the base model (LoRA starts at zero)
     checksums = checksum_file(run, first)
     run.network.train()
+    done = first
     with progress(run, first) as bar:
         for step in range(first, cfg.max_train_steps):
             k = draw_k(cfg, state.k_generator)  # the same on every process
@@ -110,12 +111,14 @@ def train(cfg: ReFLConfig) -> Path:
                 state.ema.step(run.params)
             # ---- log, validate, checkpoint ----
             log_step(run, bar, step + 1, k, lr, float(grad_norm), results, checksums)
-            validate(step + 1, step + 1)
+            done = step + 1
+            if validate(step + 1, step + 1):  # --early_stop_patience ran out
+                break
             if checkpoint_due(cfg, step + 1):
                 save_run_checkpoint(run, step + 1, *state_dict(run, state, step + 1))
     if state.ema is not None:
         state.ema.copy_to(run.params)  # the averaged weights are the result of an EMA run
-    return finish_run(run, {"optimizer steps": cfg.max_train_steps})
+    return finish_run(run, {"optimizer steps": done})
 
 
 # ---- before any model loads ----
