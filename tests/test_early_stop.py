@@ -8,11 +8,12 @@ each stall is forced. The guard's own bookkeeping and the checks before loading:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import refl_flags, run_in_process, trainer_flags
+from helpers import REPO, refl_flags, run_in_process, run_two, trainer_flags
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
@@ -205,6 +206,27 @@ def test_a_resumed_refl_run_stops_where_an_unbroken_one_does_bit_for_bit(
         assert (resumed / name).read_bytes() == (tmp_path / "run" / name).read_bytes(), name
     assert (resumed / LORA_WEIGHTS_NAME).read_bytes() != (resumed / BEST_DIR / LORA_WEIGHTS_NAME).read_bytes()
     assert json.loads((resumed / RUN_FILE).read_text())["best_step"] == 1
+
+
+def test_two_sharded_processes_stop_together_and_keep_the_gathered_best(tiny_models, tmp_path, held_out):
+    """ReFL under FSDP on two processes: the main process decides, both stop after step 3 (no process left waiting),
+    best/ holds the LoRA gathered from the shards at step 1, and so does the final folder."""
+    out = tmp_path / "fsdp"
+    calls = tmp_path / "gold_calls"
+    env = {
+        "GOLD_VALUES": "0.25,0.5,0.375,0.125,0.875,0.875,0.875",
+        "GOLD_CALLS": str(calls),
+        "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", str(REPO)), str(REPO / "tests")]),
+    }
+    guard = _guard_flags(held_out, "--validation_steps", 2)
+    r = run_two(
+        "train_refl_lora.sh", refl_flags(tiny_models, out, "--fsdp", "--max_train_steps", "6", *guard), **env
+    )
+    stop = f"{GOLD} has not improved on 0.5 at step 1 for 2 validations: stopped; kept step 1"
+    assert (r.stdout + r.stderr).count(stop) == 1 and calls.read_text() == "4"
+    assert [x["count"] for x in validation_files(out)] == [0, 1, 2, 3]
+    assert (out / LORA_WEIGHTS_NAME).read_bytes() == (out / BEST_DIR / LORA_WEIGHTS_NAME).read_bytes()
+    assert json.loads((out / BEST_DIR / BEST_FILE).read_text())["step"] == 1
 
 
 # ---- NFT ----

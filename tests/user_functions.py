@@ -55,6 +55,10 @@ def _scheduled(name: str, images, prompts):
 
     if not all(p.startswith("held-out") for p in prompts):
         return redness(images, prompts, {})[0]
+    if (
+        os.environ.get("RANK", "0") != "0"
+    ):  # a sharded run's other processes validate too; the main one's count
+        return images.mean(dim=(1, 2, 3)) * 0
     calls = Path(os.environ[f"{name}_CALLS"])
     n = int(calls.read_text()) if calls.is_file() else 0
     calls.write_text(str(n + 1))
