@@ -268,4 +268,5 @@ def test_nft_stops_on_the_validation_reward_and_keeps_the_best_epoch(
     run = json.loads((out / RUN_FILE).read_text())
     assert (run["best_epoch"], run["best_metric"]) == (0, 0.375)
     assert (out / LORA_WEIGHTS_NAME).read_bytes() == (out / BEST_DIR / LORA_WEIGHTS_NAME).read_bytes()
-    assert "| epochs | 1 |" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "| epochs | 1 |" in card and f"Watched `{GOLD}` (max): best 0.375 at epoch 0" in card

@@ -270,9 +270,7 @@ def save_run_checkpoint(run: Run, done: int, counters: dict, tensors: dict[str, 
     from refl_ddpo.run.resume_fit import settings
 
     cfg = run.cfg
-    if (
-        run.guard is not None
-    ):  # the best so far and the patience, for a resumed run to stop where this one would
+    if run.guard is not None:  # the best so far and the patience: a resumed run stops where this one would
         counters = {**counters, "guard": run.guard.state()}
     path = save_checkpoint(
         run.accelerator,
@@ -324,8 +322,15 @@ def final_weights(run: Run) -> str:
     from refl_ddpo.run.guard import best_folder, copy_best
     from refl_ddpo.run.zero import unwrap
 
-    output_dir = Path(run.cfg.output_dir)
-    best = best_folder(output_dir, run.guard)
+    output_dir, best = Path(run.cfg.output_dir), None
+    if run.guard is not None:  # the main process reads best/ (on its machine), every process takes its answer
+        from accelerate.utils import broadcast_object_list
+
+        best = broadcast_object_list([best_folder(output_dir, run.guard) if run.main else None])[0]
+        if best is None and run.guard.keep_best and run.main:
+            print(
+                f"{output_dir}/best/ does not hold this run's best: the final folder holds the last weights"
+            )
     if best is None:
         where = f"not saving the final weights to {output_dir}"
         check_finite_weights(unwrap(run.accelerator, run.network), where)
