@@ -246,8 +246,8 @@ class Bench:
         """The UNet (or the network `name`) as the trainers set it up (refl_ddpo.run.training.make_trainable): LoRA on
         a frozen base in dtype (adapters fp32) on `targets` (default: the SD family's), or all of it in fp32;
         gradient checkpointing if asked."""
+        from refl_ddpo.run.session import trainable_spec
         from refl_ddpo.run.training import make_trainable
-        from refl_ddpo.trainers.skeleton import trainable_spec
 
         unet = self.build(name)
         config = dataclasses.replace(

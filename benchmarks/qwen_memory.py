@@ -79,9 +79,9 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from refl_ddpo.core.families.qwen_image import QwenImage
+    from refl_ddpo.run.session import trainable_spec
     from refl_ddpo.run.training import make_trainable
     from refl_ddpo.testing.tiny_qwen import QWEN_IMAGE_SCHEDULER, qwen_tokenizer
-    from refl_ddpo.trainers.skeleton import trainable_spec
 
     class BenchQwenImage(QwenImage):
         def _encode(self, prompts):

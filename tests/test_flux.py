@@ -366,8 +366,8 @@ def test_unset_guidance_flags_resolve_per_family_and_a_set_one_wins(tiny_models)
 def test_trainer_records_the_guidance_it_resolved(tiny_models, tmp_path):
     """The trainers' shared checks resolve the unset guidance from model_index.json before any weights load: the
     config they print and save beside the LoRA says 3.5 on FLUX.1-dev."""
+    from refl_ddpo.run.session import shared_checks
     from refl_ddpo.trainers.refl_config import ReFLConfig
-    from refl_ddpo.trainers.skeleton import shared_checks
 
     cfg = _guidance_flags(ReFLConfig, tiny_models / DEV, "--reward_model_dir", str(tiny_models))
     resolved = shared_checks(cfg)

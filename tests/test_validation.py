@@ -21,11 +21,11 @@ from refl_ddpo.core.families.sd import StableDiffusion
 from refl_ddpo.core.families.sd3 import StableDiffusion3
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 from refl_ddpo.run.flags import parse_config
+from refl_ddpo.run.session import validation_spec
 from refl_ddpo.run.validation import VALIDATION_DIR, ValidationSpec, Validator, validation_files
 from refl_ddpo.trainers.ddpo_config import DDPOConfig
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.refl_config import ReFLConfig
-from refl_ddpo.trainers.skeleton import validation_spec
 
 REPO = Path(__file__).resolve().parent.parent
 RES = 32
