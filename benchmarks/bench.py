@@ -18,9 +18,9 @@ make_accelerator + prepare, the trainers' defaults: LoRA rank 4 on to_q/to_k/to_
                40 DDPM steps, 0..k-1 without grad, k with grad (k fixed by --refl_k), predicted x0 -> VAE decode ->
                ImageReward -> relu(2 - r) * grad_scale; LoRA and full UNet (--refl_modes) at each batch size
                (--refl_batch_sizes); CFG off (as the reference). The trainer's logging (.item(), gather) is left out.
-  ddpo_sample  refl_ddpo.trainers.ddpo.sample_epoch for one batch: 50 stochastic DDIM steps (eta 1), CFG,
+  ddpo_sample  refl_ddpo.trainers.rollouts.sample_epoch for one batch: 50 stochastic DDIM steps (eta 1), CFG,
                log-probs, VAE decode; the reward is a stand-in pixel mean (JPEG / aesthetic / ImageReward excluded)
-  ddpo_train   refl_ddpo.trainers.ddpo.train_on_samples over that batch: every timestep (timestep_fraction 1),
+  ddpo_train   refl_ddpo.trainers.ppo.train_on_samples over that batch: every timestep (timestep_fraction 1),
                CFG in the forward, PPO-clip, backward per timestep, one optimizer step for the whole batch
   inference    refl_ddpo.core.generate.generate_batch: CLIP text encoder, 50 DDIM steps (eta 0), CFG, VAE decode;
                weights in --dtype without autocast (as the inference scripts); reported per image too

@@ -155,30 +155,22 @@ def _pixel_mean_reward():
 
 
 def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward):
-    """refl_ddpo.trainers.ddpo.sample_epoch for the one batch of `config`, as the DDPO trainer calls it."""
-    from refl_ddpo.trainers.rollouts import sample_epoch
+    """refl_ddpo.trainers.rollouts.sample_epoch for the one batch of `config`, as the DDPO trainer calls it."""
+    from refl_ddpo.trainers.epochs import EpochPlan
+    from refl_ddpo.trainers.rollouts import Policy, SampleSettings, sample_epoch
 
     return sample_epoch(
-        family,
-        scheduler,
-        prompt_fn,
+        Policy(family, scheduler, uncond, unet, b.accelerator.autocast),
+        SampleSettings.from_config(config),
+        EpochPlan(prompt_fn),
         reward,
-        uncond,
-        batch_size=config.sample_batch_size,
-        num_batches=config.sample_num_batches_per_epoch,
-        num_steps=config.sample_num_steps,
-        guidance_scale=config.sample_guidance_scale,
-        eta=config.sample_eta,
-        resolution=config.resolution,
-        generator=b.generator,
-        network=unet,
-        autocast=b.accelerator.autocast,
+        b.generator,
     )
 
 
 def ddpo_sample_case(batch: int, flux: bool = False) -> Case:
-    """refl_ddpo.trainers.ddpo.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode. `flux`:
-    GRPO's sampling on FLUX.1-dev (the same function: flow SDE steps at the embedded guidance, no CFG)."""
+    """refl_ddpo.trainers.rollouts.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode.
+    `flux`: GRPO's sampling on FLUX.1-dev (the same function: flow SDE steps at the embedded guidance, no CFG)."""
 
     def setup(b: Bench):
         config, family, scheduler, unet, _, _, uncond = _ddpo_setup(b, flux)
@@ -198,13 +190,12 @@ def ddpo_sample_case(batch: int, flux: bool = False) -> Case:
 
 
 def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
-    """refl_ddpo.trainers.ddpo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip. `flux`:
+    """refl_ddpo.trainers.ppo.train_on_samples over one sampled batch: every timestep, CFG, PPO-clip. `flux`:
     GRPO's training pass on FLUX.1-dev (the same function; no CFG: one transformer call per trained step)."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.ddpo import train_on_samples
-        from refl_ddpo.trainers.ddpo_config import num_train_timesteps
-        from refl_ddpo.trainers.rollouts import collect_rewards, stack_samples
+        from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
+        from refl_ddpo.trainers.rollouts import Policy, collect_rewards, stack_samples
 
         config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b, flux)
         # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
@@ -214,27 +205,10 @@ def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
         samples = stack_samples(batches, advantages)
         del batches
         train_uncond = uncond if config.train_cfg and config.sample_guidance_scale > 1.0 else None
+        policy, settings = Policy(family, scheduler, train_uncond, unet), PPOSettings.from_config(config)
 
         def run():
-            steps = train_on_samples(
-                family,
-                unet,
-                scheduler,
-                samples,
-                train_uncond,
-                b.accelerator,
-                optimizer,
-                params,
-                b.generator,
-                num_steps=config.sample_num_steps,
-                batch_size=config.train_batch_size,
-                num_train_steps=num_train_timesteps(config),
-                guidance_scale=config.sample_guidance_scale,
-                eta=config.sample_eta,
-                clip_range=config.train_clip_range,
-                kl_weight=config.kl_weight,
-                max_grad_norm=config.max_grad_norm,
-            )
+            steps = train_on_samples(policy, settings, samples, b.accelerator, optimizer, params, b.generator)
             return torch.tensor([s["loss"] for s in steps])
 
         return run, {"unet": family.network}

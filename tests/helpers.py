@@ -212,21 +212,17 @@ def ddpo_first_update(
 
     from refl_ddpo.algorithms.policy import batch_advantages
     from refl_ddpo.rewards import build_reward
-    from refl_ddpo.trainers.ppo import train_on_samples
-    from refl_ddpo.trainers.rollouts import sample_epoch, stack_samples
+    from refl_ddpo.trainers.epochs import EpochPlan
+    from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
+    from refl_ddpo.trainers.rollouts import Policy, SampleSettings, sample_epoch, stack_samples
 
     prompts = iter(prompts)
     batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
+        Policy(family, scheduler, uncond),
+        SampleSettings(batch_size=2, num_batches=2, resolution=resolution, **kw),
+        EpochPlan(lambda: (next(prompts), {})),
         build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=2,
-        resolution=resolution,
-        generator=torch.Generator().manual_seed(0),
-        **kw,
+        torch.Generator().manual_seed(0),
     )
     samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
     if edit is not None:
@@ -235,19 +231,13 @@ def ddpo_first_update(
     accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
     optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
     steps = train_on_samples(
-        family,
-        family.network,
-        scheduler,
+        Policy(family, scheduler, uncond, family.network),
+        PPOSettings(batch_size=2, num_train_steps=kw["num_steps"], clip_range=1e-4, **kw),
         samples,
-        uncond,
         accelerator,
         optimizer,
         params,
         torch.Generator().manual_seed(1),
-        batch_size=2,
-        num_train_steps=kw["num_steps"],
-        clip_range=1e-4,
-        **kw,
     )
     return samples, steps[0]
 

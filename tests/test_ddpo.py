@@ -29,10 +29,10 @@ from refl_ddpo.core.families.sd import StableDiffusion
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME, add_lora
 from refl_ddpo.core.steps.ddim import ddim_step_kl
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.trainers import ddpo
-from refl_ddpo.trainers.ddpo_config import DDPOConfig, num_train_timesteps, parse_ddpo_config
-from refl_ddpo.trainers.ppo import train_on_samples
-from refl_ddpo.trainers.rollouts import sample_epoch, shuffle_samples, stack_samples
+from refl_ddpo.trainers.ddpo_config import DDPOConfig, epoch_sizes, parse_ddpo_config
+from refl_ddpo.trainers.epochs import EpochPlan
+from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
+from refl_ddpo.trainers.rollouts import Policy, SampleSettings, sample_epoch, shuffle_samples, stack_samples
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_ddpo.sh"
@@ -203,18 +203,11 @@ def _sample(family, negative, cfg, seed=0):
     prompts = iter(["a cat", "a dog", "a red bird", "a fish"] * 4)
     reward = build_reward("jpeg_compressibility", "cpu")
     return sample_epoch(
-        family,
-        family.pipe.scheduler,
-        lambda: (next(prompts), {}),
+        Policy(family, family.pipe.scheduler, negative),
+        SampleSettings.from_config(cfg),
+        EpochPlan(lambda: (next(prompts), {})),
         reward,
-        negative,
-        batch_size=cfg.sample_batch_size,
-        num_batches=cfg.sample_num_batches_per_epoch,
-        num_steps=cfg.sample_num_steps,
-        guidance_scale=cfg.sample_guidance_scale,
-        eta=cfg.sample_eta,
-        resolution=cfg.resolution,
-        generator=torch.Generator().manual_seed(seed),
+        torch.Generator().manual_seed(seed),
     )
 
 
@@ -236,23 +229,13 @@ def _log_probs(family, negative, samples, cfg) -> torch.Tensor:
 
 def _train(family, samples, negative, cfg, accelerator, optimizer, params, generator):
     return train_on_samples(
-        family,
-        family.network,
-        family.pipe.scheduler,
+        Policy(family, family.pipe.scheduler, negative, family.network),
+        PPOSettings.from_config(cfg),
         samples,
-        negative,
         accelerator,
         optimizer,
         params,
         generator,
-        num_steps=cfg.sample_num_steps,
-        batch_size=cfg.train_batch_size,
-        num_train_steps=num_train_timesteps(cfg),
-        guidance_scale=cfg.sample_guidance_scale,
-        eta=cfg.sample_eta,
-        clip_range=cfg.train_clip_range,
-        kl_weight=cfg.kl_weight,
-        max_grad_norm=cfg.max_grad_norm,
     )
 
 
@@ -448,9 +431,7 @@ def test_presets_set_defaults_that_flags_and_config_files_override(tmp_path):
         cfg.per_prompt_stat_tracking_buffer_size,
         cfg.sample_batch_size,
     ) == ("aesthetic", "simple_animals", 200, 4, 32, 8)
-    sizes = ddpo.epoch_sizes(
-        cfg, num_processes=8
-    )  # dgx.py: 8 GPUs x 8 x 4 = 256, (8 x 4) / (4 x 4) = 2 steps
+    sizes = epoch_sizes(cfg, num_processes=8)  # dgx.py: 8 GPUs x 8 x 4 = 256, (8 x 4) / (4 x 4) = 2 steps
     assert sizes["images per epoch (all processes)"] == 256 and sizes["optimizer steps per epoch"] == 2
     cfg = parse_ddpo_config(
         ["--preset", "incompressibility", "--num_epochs", "3", "--gradient_accumulation_steps", "4"]
@@ -460,7 +441,7 @@ def test_presets_set_defaults_that_flags_and_config_files_override(tmp_path):
         3,
         4,
     )
-    assert ddpo.epoch_sizes(cfg, 8)["optimizer steps per epoch"] == 2
+    assert epoch_sizes(cfg, 8)["optimizer steps per epoch"] == 2
     config = tmp_path / "c.yaml"
     config.write_text("preset: compressibility\nsave_freq: 7\n")
     cfg = parse_ddpo_config(["--config", str(config), "--num_epochs", "5"])

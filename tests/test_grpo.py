@@ -1,4 +1,4 @@
-"""GRPO (DDPO's trainer with a GRPOConfig): group advantages and zero-std groups vs closed forms, the epoch's groups
+"""GRPO (the policy-gradient loop with a GRPOConfig): group advantages and zero-std groups vs closed forms, the epoch's groups
 over processes, the SDE window (its steps are the only stochastic and the only trained ones), the KL to the base model
 in the loss, config checks and presets, the shell script end to end. CPU, tiny models."""
 
@@ -20,10 +20,18 @@ from refl_ddpo.core.sampling import denoise
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.run.flags import parse_config
 from refl_ddpo.trainers.ddpo_config import num_train_timesteps
-from refl_ddpo.trainers.grpo import grouped_epoch
+from refl_ddpo.trainers.epochs import EpochPlan
 from refl_ddpo.trainers.grpo_config import GRPOConfig
-from refl_ddpo.trainers.ppo import train_on_samples
-from refl_ddpo.trainers.rollouts import draw_window_start, epoch_groups, sample_epoch, stack_samples
+from refl_ddpo.trainers.policy_gradient import grouped_epoch
+from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
+from refl_ddpo.trainers.rollouts import (
+    Policy,
+    SampleSettings,
+    draw_window_start,
+    epoch_groups,
+    sample_epoch,
+    stack_samples,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "train_scripts" / "train_grpo.sh"
@@ -103,15 +111,16 @@ def test_grouped_epoch_is_the_same_plan_on_every_process(tiny_sd):
         prompt_fn="simple_animals",
     )
     plans = [grouped_epoch(cfg, family, 5, rank, 2, torch.float32) for rank in (0, 1)]
-    ids = torch.cat([p[1] for p in plans])
+    ids = torch.cat([p.groups for p in plans])
     assert ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
-    prompts = [p[0]() for p in plans for _ in range(6)]
+    prompts = [p.prompt_fn() for p in plans for _ in range(6)]
     assert all(prompts[i] == prompts[j] for i in range(12) for j in range(12) if ids[i] == ids[j])
-    noise = torch.cat([p[2] for p in plans])  # (12, C, h, w)
+    noise = torch.cat([p.initial_noise for p in plans])  # (12, C, h, w)
     for i in range(12):
         for j in range(12):
             assert torch.equal(noise[i], noise[j]) == bool(ids[i] == ids[j]), (i, j)
-    assert plans[0][3] == plans[1][3] and 0 <= plans[0][3][0] <= 4 and plans[0][3][1] == 2
+    window = plans[0].window
+    assert window == plans[1].window and 0 <= window[0] <= 4 and window[1] == 2
 
 
 def test_window_start_is_uniform_over_the_windows_that_fit():
@@ -186,19 +195,13 @@ def test_first_update_is_on_policy_and_trains_the_window_steps_only(tiny_models,
     params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     prompts = iter(["a cat", "a dog"] * 4)
     batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
+        Policy(family, scheduler, uncond),
+        SampleSettings(
+            batch_size=2, num_batches=2, num_steps=6, guidance_scale=5.0, eta=ETA[model], resolution=RES
+        ),
+        EpochPlan(lambda: (next(prompts), {}), window=(3, 2)),
         build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=2,
-        num_steps=6,
-        guidance_scale=5.0,
-        eta=ETA[model],
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
-        sde_window=(3, 2),
+        torch.Generator().manual_seed(0),
     )
     family.set_timesteps(scheduler, 6, batches[0].latents)
     window = scheduler.timesteps[3:5]
@@ -207,22 +210,21 @@ def test_first_update_is_on_policy_and_trains_the_window_steps_only(tiny_models,
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     optimizer = accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0))
     steps = train_on_samples(
-        family,
-        family.network,
-        scheduler,
+        Policy(family, scheduler, uncond, family.network),
+        PPOSettings(
+            num_steps=6,
+            guidance_scale=5.0,
+            eta=ETA[model],
+            batch_size=2,
+            num_train_steps=2,
+            clip_range=1e-4,
+            kl_weight=0.04,
+        ),
         samples,
-        uncond,
         accelerator,
         optimizer,
         params,
         torch.Generator().manual_seed(1),
-        num_steps=6,
-        batch_size=2,
-        num_train_steps=2,
-        guidance_scale=5.0,
-        eta=ETA[model],
-        clip_range=1e-4,
-        kl_weight=0.04,
     )
     assert len(steps) == 2, steps
     for s in steps:
@@ -244,39 +246,26 @@ def test_ratio_by_step_averages_the_ratios_of_each_sampler_step(tiny_sd):
     uncond, _ = family.encode_prompts([""], with_negative=False)
     prompts = iter(["a cat", "a dog"] * 2)
     batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
+        Policy(family, scheduler, uncond),
+        SampleSettings(batch_size=4, num_batches=1, num_steps=3, guidance_scale=1.0, eta=1.0, resolution=RES),
+        EpochPlan(lambda: (next(prompts), {})),
         build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=4,
-        num_batches=1,
-        num_steps=3,
-        guidance_scale=1.0,
-        eta=1.0,
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
+        torch.Generator().manual_seed(0),
     )
     samples = stack_samples(batches, torch.zeros(4))
     shift = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.1, -0.1], [0.2, 0.2, 0.0], [-0.3, 0.0, 0.1]])  # (N, S)
     samples["log_probs"] = samples["log_probs"] - shift  # ratio = exp(shift) to ~1e-6 (on-policy otherwise)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
     (step,) = train_on_samples(
-        family,
-        family.network,
-        scheduler,
+        Policy(family, scheduler, None, family.network),
+        PPOSettings(
+            num_steps=3, guidance_scale=1.0, eta=1.0, batch_size=4, num_train_steps=3, clip_range=0.05
+        ),
         samples,
-        None,
         accelerator,
         accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)),
         params,
         torch.Generator().manual_seed(1),
-        num_steps=3,
-        batch_size=4,
-        num_train_steps=3,
-        guidance_scale=1.0,
-        eta=1.0,
-        clip_range=0.05,
     )
     ratios = shift.double().exp()
     for i in range(3):
@@ -300,40 +289,31 @@ def test_beta_adds_the_mean_space_kl_to_the_base_model_on_sd3(tiny_models):
     uncond, _ = family.encode_prompts([""], with_negative=False)
     prompts = iter(["a cat", "a dog"])
     batches = sample_epoch(
-        family,
-        scheduler,
-        lambda: (next(prompts), {}),
+        Policy(family, scheduler, uncond),
+        SampleSettings(batch_size=2, num_batches=1, num_steps=4, guidance_scale=1.0, eta=0.7, resolution=RES),
+        EpochPlan(lambda: (next(prompts), {}), window=(1, 1)),
         build_reward("jpeg_compressibility", "cpu"),
-        uncond,
-        batch_size=2,
-        num_batches=1,
-        num_steps=4,
-        guidance_scale=1.0,
-        eta=0.7,
-        resolution=RES,
-        generator=torch.Generator().manual_seed(0),
-        sde_window=(1, 1),
+        torch.Generator().manual_seed(0),
     )
     samples = stack_samples(batches, torch.zeros(2))
     beta = 0.04
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
     steps = train_on_samples(
-        family,
-        family.network,
-        scheduler,
+        Policy(family, scheduler, None, family.network),
+        PPOSettings(
+            num_steps=4,
+            guidance_scale=1.0,
+            eta=0.7,
+            batch_size=2,
+            num_train_steps=1,
+            clip_range=1e-4,
+            kl_weight=beta,
+        ),
         samples,
-        None,
         accelerator,
         accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0)),
         params,
         torch.Generator().manual_seed(1),
-        num_steps=4,
-        batch_size=2,
-        num_train_steps=1,
-        guidance_scale=1.0,
-        eta=0.7,
-        clip_range=1e-4,
-        kl_weight=beta,
     )
     x, t = samples["latents"][:, 0], samples["timesteps"][:, 0]
     cond = {k: samples[k] for k in ("prompt_embeds", "pooled_prompt_embeds")}
@@ -488,9 +468,9 @@ def test_flux_presets_parse_and_resolve_on_a_flux_model(
     folder as the trainer resolves it before loading (the model, the reward's files, the LoRA targets, the guidance:
     3.5 embedded, sampled and validated alike); its groups fit one GPU."""
     from refl_ddpo.core.families.flux import Flux
+    from refl_ddpo.run.session import shared_checks
     from refl_ddpo.trainers.ddpo_config import epoch_sizes
     from refl_ddpo.trainers.grpo_config import FLOW_GRPO_FLUX_LORA, check_group_arithmetic
-    from refl_ddpo.trainers.skeleton import shared_checks
 
     cfg = _parse(["--preset", name])
     assert cfg.pretrained_model == "black-forest-labs/FLUX.1-dev" and cfg.mixed_precision == "bf16"

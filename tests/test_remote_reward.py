@@ -238,7 +238,8 @@ def test_async_scoring_equals_sync(served, tiny_models, where):
     from diffusers import DDIMScheduler
 
     from refl_ddpo.core.families import load_family
-    from refl_ddpo.trainers.rollouts import collect_rewards, sample_epoch
+    from refl_ddpo.trainers.epochs import EpochPlan
+    from refl_ddpo.trainers.rollouts import Policy, SampleSettings, collect_rewards, sample_epoch
 
     spec, url = served
     reward = build_reward(
@@ -251,19 +252,14 @@ def test_async_scoring_equals_sync(served, tiny_models, where):
     def run(executor):
         prompts = iter(["a cat", "a dog", "a red bird"] * 4)
         batches = sample_epoch(
-            family,
-            family.pipe.scheduler,
-            lambda: (next(prompts), {}),
+            Policy(family, family.pipe.scheduler, negative),
+            SampleSettings(
+                batch_size=2, num_batches=3, num_steps=3, guidance_scale=5.0, eta=1.0, resolution=32
+            ),
+            EpochPlan(lambda: (next(prompts), {})),
             reward,
-            negative,
-            batch_size=2,
-            num_batches=3,
-            num_steps=3,
-            guidance_scale=5.0,
-            eta=1.0,
-            resolution=32,
-            generator=torch.Generator().manual_seed(0),
-            executor=executor,
+            torch.Generator().manual_seed(0),
+            executor,
         )
         collect_rewards(batches)
         return batches

@@ -54,7 +54,7 @@ def test_trains_two_epochs_on_policy_with_finite_gradients_and_the_lora_loads_in
 ):
     """The trainer (in this process) on that model, every sampler step trained: each epoch's single optimizer step
     has a finite gradient norm and is on policy (its samples were drawn with the weights it starts from)."""
-    from refl_ddpo.trainers import ddpo
+    from refl_ddpo.trainers import policy_gradient
 
     steps = []
 
@@ -62,8 +62,8 @@ def test_trains_two_epochs_on_policy_with_finite_gradients_and_the_lora_loads_in
         steps.extend(train_on_samples(*args, **kwargs))
         return steps[-1:]
 
-    train_on_samples = ddpo.train_on_samples
-    monkeypatch.setattr(ddpo, "train_on_samples", recorded)  # GRPO is DDPO's trainer with a GRPOConfig
+    train_on_samples = policy_gradient.train_on_samples
+    monkeypatch.setattr(policy_gradient, "train_on_samples", recorded)  # DDPO's and GRPO's one loop
     watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     flags = trainer_flags(

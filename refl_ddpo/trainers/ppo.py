@@ -7,50 +7,79 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from refl_ddpo.algorithms.policy import ppo_clip_loss
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.families import Cond, ModelFamily, cond_expand
+from refl_ddpo.core.families import Cond, cond_expand
 from refl_ddpo.run.zero import unwrap
-from refl_ddpo.trainers.rollouts import STEP_KEYS, shuffle_samples
+from refl_ddpo.trainers.ddpo_config import DDPOConfig, num_train_timesteps
+from refl_ddpo.trainers.rollouts import STEP_KEYS, Policy, shuffle_samples
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    """One inner epoch of PPO over stored trajectories: the sampler's `num_steps` (the schedule the samples'
+    timesteps come from), `guidance_scale` and `eta` as in sampling; micro-batches of `batch_size`; the first
+    `num_train_steps` of each sample's shuffled steps trained; PPO's `clip_range`; `kl_weight` x the KL to the base
+    model; gradients clipped to `max_grad_norm` (0: not clipped); the last `skip_last_steps` sampler steps never
+    trained on."""
+
+    num_steps: int
+    guidance_scale: float
+    eta: float
+    batch_size: int
+    num_train_steps: int
+    clip_range: float
+    kl_weight: float = 0.0
+    max_grad_norm: float = 0.0
+    skip_last_steps: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: DDPOConfig, window: tuple[int, int] | None = None) -> PPOSettings:
+        """The --sample_* and --train_* fields; with an SDE `window` (GRPO) the trajectory holds the window's steps
+        only, all trainable."""
+        return cls(
+            num_steps=cfg.sample_num_steps,
+            guidance_scale=cfg.sample_guidance_scale,
+            eta=cfg.sample_eta,
+            batch_size=cfg.train_batch_size,
+            num_train_steps=num_train_timesteps(cfg),
+            clip_range=cfg.train_clip_range,
+            kl_weight=cfg.kl_weight,
+            max_grad_norm=cfg.max_grad_norm,
+            skip_last_steps=0 if window is not None else cfg.train_skip_last_steps,
+        )
 
 
 def ppo_step_loss(
-    family: ModelFamily,
-    scheduler,
-    network,
-    base,
-    batch: dict[str, torch.Tensor],
-    j: int,
-    cond: Cond,
-    uncond: Cond | None,
-    guidance_scale: float,
-    eta: float,
-    clip_range: float,
-    kl_weight: float,
+    policy: Policy, settings: PPOSettings, base, batch: dict[str, torch.Tensor], j: int, cond: Cond
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """PPO-clip's loss at the j-th trained step of a micro-batch (plus `kl_weight` x the step's KL to `base`, the
-    unwrapped network with its LoRA switched off): (loss, metrics, log-probability (B,) under the current weights,
-    the step's values that a non-finite gradient is traced to (B, len(TRACED)), detached)."""
+    unwrapped network with its LoRA switched off); `policy.uncond` is the micro-batch's (or None: no CFG). Returns
+    (loss, metrics, log-probability (B,) under the current weights, the step's values that a non-finite gradient is
+    traced to (B, len(TRACED)), detached)."""
     from refl_ddpo.core.lora import adapters_off
 
+    family, scheduler, uncond, network = policy.family, policy.scheduler, policy.uncond, policy.network
+    guidance_scale, eta = settings.guidance_scale, settings.eta
     x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]  # (B, C, h, w), (B,): one timestep per sample
     # the stored next latent's log-probability under the current weights (the scheduler is set to the run's steps)
     model_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
     _, log_prob, _ = family.step_with_logprob(
         scheduler, model_output, t, x_t, eta, prev_sample=batch["next_latents"][:, j]
     )
-    loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], clip_range)
+    loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], settings.clip_range)
     kl = torch.zeros_like(log_prob)
-    if kl_weight > 0:
+    if settings.kl_weight > 0:
         with adapters_off(base):
             ref_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
         kl = family.step_kl(scheduler, model_output, ref_output, t, eta)  # (B,)
         kl_mean = kl.mean()
         info["kl"] = kl_mean.detach()
-        loss = loss + kl_weight * kl_mean
+        loss = loss + settings.kl_weight * kl_mean
     # in TRACED's order; the network's output as its largest |value| per sample (NaN or inf where any element is)
     biggest = model_output.detach().float().abs().amax(dim=tuple(range(1, model_output.ndim)))
     traced = [batch["advantages"], batch["log_probs"][:, j], biggest, log_prob.detach(), kl.detach()]
@@ -169,62 +198,49 @@ def step_metrics(
 
 
 def train_on_samples(
-    family: ModelFamily,
-    network,
-    scheduler,
+    policy: Policy,
+    settings: PPOSettings,
     samples: dict[str, torch.Tensor],
-    uncond: Cond | None,
     accelerator,
     optimizer,
     params: list[torch.nn.Parameter],
     generator: torch.Generator,
-    *,
-    num_steps: int,
-    batch_size: int,
-    num_train_steps: int,
-    guidance_scale: float,
-    eta: float,
-    clip_range: float,
-    kl_weight: float = 0.0,
-    max_grad_norm: float = 0.0,
-    skip_last_steps: int = 0,
     on_step: Callable[[dict[str, float]], None] | None = None,
 ) -> list[dict[str, float]]:
-    """One inner epoch: shuffle, then PPO on the first `num_train_steps` steps of each sample.
+    """One inner epoch: shuffle, then PPO on the first `settings.num_train_steps` steps of each sample.
 
-    `network` is the prepared (possibly DDP-wrapped) network and `optimizer` the prepared optimizer (it steps only
-    when gradients sync); `accelerator` was made with gradient_accumulation_steps = micro-batches per optimizer step
-    x `num_train_steps`, so one optimizer step covers every trained timestep of its micro-batches. `uncond` None
-    trains without CFG; the last `skip_last_steps` sampler steps of each trajectory are never trained on.
-    Returns one dict of metrics (mean over its micro-steps and processes, and the gradient norm) per optimizer step,
-    also handed to `on_step` as each step ends (a progress bar); besides `ratio` (the mean importance ratio) it holds
-    `ratio_by_step/NN`, the mean ratio of the samples trained at sampler step NN (0 = the first), for each step the
-    optimizer step trained on. A non-finite gradient norm raises NonFiniteGradient (a FloatingPointError) before
-    the update (on all processes alike), naming the first non-finite value of the step and its timestep."""
-    schedule = family.set_timesteps(scheduler, num_steps, samples["latents"])
+    `policy.network` is the prepared (possibly DDP-wrapped) network (None: the family's own) and `optimizer` the
+    prepared optimizer (it steps only when gradients sync); `accelerator` was made with gradient_accumulation_steps
+    = micro-batches per optimizer step x `num_train_steps`, so one optimizer step covers every trained timestep of
+    its micro-batches. `policy.uncond` None trains without CFG. Returns one dict of metrics (mean over its
+    micro-steps and processes, and the gradient norm) per optimizer step, also handed to `on_step` as each step ends
+    (a progress bar); besides `ratio` (the mean importance ratio) it holds `ratio_by_step/NN`, the mean ratio of the
+    samples trained at sampler step NN (0 = the first), for each step the optimizer step trained on. A non-finite
+    gradient norm raises NonFiniteGradient (a FloatingPointError) before the update (on all processes alike),
+    naming the first non-finite value of the step and its timestep."""
+    schedule = policy.family.set_timesteps(policy.scheduler, settings.num_steps, samples["latents"])
     schedule = schedule.to(samples["timesteps"].device)
     if not torch.isin(samples["timesteps"], schedule).all():
         raise ValueError("the samples' timesteps are not those of a num_steps schedule")
-    samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - skip_last_steps)
-    n = samples["timesteps"].shape[0]
+    samples = shuffle_samples(samples, generator, samples["timesteps"].shape[1] - settings.skip_last_steps)
+    n, batch_size = samples["timesteps"].shape[0], settings.batch_size
     cond_keys = [k for k in samples if k not in (*STEP_KEYS, "advantages")]
-    uncond = None if uncond is None else cond_expand(uncond, batch_size)
+    network = policy.family.network if policy.network is None else policy.network
+    uncond = None if policy.uncond is None else cond_expand(policy.uncond, batch_size)
+    policy = replace(policy, network=network, uncond=uncond)
     base = unwrap(accelerator, network)
     results, acc = [], defaultdict(list)
     traced, traced_t = [], []  # the optimizer step's micro-steps' ppo_step_loss values and timesteps
     # per sampler step: summed importance ratios and sample counts (summed over processes when the step ends)
     step_ratios = torch.zeros(2, len(schedule), dtype=torch.float64, device=accelerator.device)
-    settings = (guidance_scale, eta, clip_range, kl_weight)
     network.train()
     for start in range(0, n, batch_size):
         batch = {k: v[start : start + batch_size] for k, v in samples.items()}
         cond = {k: batch[k] for k in cond_keys}
-        for j in range(num_train_steps):
+        for j in range(settings.num_train_steps):
             with accelerator.accumulate(network):
                 with accelerator.autocast():
-                    loss, info, log_prob, values = ppo_step_loss(
-                        family, scheduler, network, base, batch, j, cond, uncond, *settings
-                    )
+                    loss, info, log_prob, values = ppo_step_loss(policy, settings, base, batch, j, cond)
                 traced.append(values)
                 traced_t.append(batch["timesteps"][:, j])
                 info["loss"] = loss.detach()
@@ -236,7 +252,7 @@ def train_on_samples(
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)
-                    grad_norm = float(accelerator.clip_grad_norm_(params, max_grad_norm or math.inf))
+                    grad_norm = float(accelerator.clip_grad_norm_(params, settings.max_grad_norm or math.inf))
                     if not math.isfinite(grad_norm):
                         raise nonfinite_gradient(grad_norm, loss, traced, traced_t, schedule, len(results))
                     traced, traced_t = [], []

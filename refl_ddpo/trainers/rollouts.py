@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from refl_ddpo.rewards import Reward
 
 if TYPE_CHECKING:
     from refl_ddpo.run.session import Run
+    from refl_ddpo.trainers.ddpo_config import EpochConfig
     from refl_ddpo.trainers.epochs import EpochPlan
 
 STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (N, S, ...) per sample and step
@@ -43,62 +44,91 @@ def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: l
     return rewards.detach().float(), info
 
 
+@dataclass
+class Policy:
+    """The policy an epoch samples from and trains: the family, its stochastic scheduler (DDIM, or flow matching with
+    Flow-GRPO's SDE step), the network it calls (the prepared one in a run; None: the family's own), the empty
+    prompt's conditioning (batch 1) for CFG (None: no CFG), and the context its forward passes run in (autocast)."""
+
+    family: ModelFamily
+    scheduler: Any
+    uncond: Cond | None
+    network: Any = None
+    autocast: Callable[[], AbstractContextManager] = nullcontext
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How an epoch samples, per process: `num_batches` batches of `batch_size` images at `resolution`, `num_steps`
+    sampler steps with CFG scale `guidance_scale` and step noise `eta` (the --sample_* flags)."""
+
+    batch_size: int
+    num_batches: int
+    num_steps: int
+    guidance_scale: float
+    eta: float
+    resolution: int
+
+    @classmethod
+    def from_config(cls, cfg: EpochConfig) -> SampleSettings:
+        """The --sample_* fields and the resolved --resolution."""
+        return cls(
+            batch_size=cfg.sample_batch_size,
+            num_batches=cfg.sample_num_batches_per_epoch,
+            num_steps=cfg.sample_num_steps,
+            guidance_scale=cfg.sample_guidance_scale,
+            eta=cfg.sample_eta,
+            resolution=cfg.resolution,
+        )
+
+
 def sample_epoch(
-    family: ModelFamily,
-    scheduler,
-    prompt_fn,
+    policy: Policy,
+    settings: SampleSettings,
+    plan: EpochPlan,
     reward: Reward,
-    uncond: Cond,
-    *,
-    batch_size: int,
-    num_batches: int,
-    num_steps: int,
-    guidance_scale: float,
-    eta: float,
-    resolution: int,
     generator: torch.Generator,
-    network=None,
-    autocast=None,
     executor: ThreadPoolExecutor | None = None,
-    initial_noise: torch.Tensor | None = None,
-    sde_window: tuple[int, int] | None = None,
     on_batch: Callable[[SampleBatch], None] | None = None,
 ) -> list[SampleBatch]:
-    """Sample `num_batches` batches of trajectories and score them (futures with `executor`).
+    """Sample `settings.num_batches` batches of trajectories with `policy` and score them (futures with `executor`).
 
-    `uncond` (batch 1) is the empty prompt's conditioning; `generator` (CPU) draws the initial noise and every step's
-    noise; `network` is the (accelerate-wrapped) network to sample with, the family's own by default; `on_batch` is
-    called with each batch as it is done (a progress bar).
+    `plan` gives the prompts (`prompt_fn`), the initial noise (N, C, h, w) if any, and the SDE window (start,
+    length): only its steps are stochastic and kept. `generator` (CPU) draws the initial noise (without the plan's)
+    and every step's noise; `on_batch` is called with each batch as it is done (a progress bar).
     """
-    autocast = autocast or nullcontext
+    from refl_ddpo.core.sampling import denoise
+
+    family, batch_size, num_steps = policy.family, settings.batch_size, settings.num_steps
+    uncond = None if policy.uncond is None else cond_expand(policy.uncond, batch_size)
     batches = []
-    window = slice(None) if sde_window is None else slice(sde_window[0], sum(sde_window))
+    window = slice(None) if plan.window is None else slice(plan.window[0], sum(plan.window))
     with torch.no_grad():  # sampling: no graph (training recomputes each trained step with grad)
-        for b in range(num_batches):
-            prompts, metadata = map(list, zip(*(prompt_fn() for _ in range(batch_size)), strict=True))
+        for b in range(settings.num_batches):
+            prompts, metadata = map(list, zip(*(plan.prompt_fn() for _ in range(batch_size)), strict=True))
             cond, _ = family.encode_prompts(prompts, with_negative=False)
             dtype = next(iter(cond.values())).dtype
-            if initial_noise is None:
-                noise = family.initial_noise(batch_size, resolution, generator, dtype)
+            if plan.initial_noise is None:
+                noise = family.initial_noise(batch_size, settings.resolution, generator, dtype)
             else:
-                noise = initial_noise[b * batch_size : (b + 1) * batch_size].to(family.pipe.device, dtype)
-            with autocast():
-                from refl_ddpo.core.sampling import denoise
-
+                noise = plan.initial_noise[b * batch_size : (b + 1) * batch_size].to(
+                    family.pipe.device, dtype
+                )
+            with policy.autocast():
                 out = denoise(
                     family,
-                    scheduler,
+                    policy.scheduler,
                     cond,
-                    cond_expand(uncond, batch_size),
+                    uncond,
                     noise,
                     num_steps,
-                    guidance_scale,
-                    eta=eta,
+                    settings.guidance_scale,
+                    eta=settings.eta,
                     generator=generator,
                     with_logprob=True,
                     keep_trajectory=True,
-                    network=network,
-                    sde_steps=None if sde_window is None else range(*window.indices(num_steps)),
+                    network=policy.network,
+                    sde_steps=None if plan.window is None else range(*window.indices(num_steps)),
                 )
                 images = family.decode(out.latents)
             trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
