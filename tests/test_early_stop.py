@@ -1,9 +1,9 @@
 """Early stopping, the best weights kept and the divergence line (issue 64, items 1, 3, 4), on the tiny models: a
 validation reward logged beside the training reward's, best/ and run.json's fields, the stop line and the run cut
 short, --final_weights best in the final folder and the card, the divergence line, a resumed run that stops where an
-unbroken one does bit for bit; ReFL (reward backprop) and NFT (forward process). The metrics are scripted by
-tests/user_functions.py's gold_schedule / proxy_schedule (one value per validation), so that each improvement and
-each stall is forced. The guard's own bookkeeping and the checks before loading: without a model. CPU."""
+unbroken one does bit for bit; ReFL (reward backprop, also on two FSDP processes), NFT (forward process) and GRPO
+(policy gradient). The metrics are scripted by tests/user_functions.py's gold_schedule / proxy_schedule (one value
+per validation), so that each improvement and each stall is forced. The guard's own bookkeeping and the checks before loading: without a model. CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import REPO, refl_flags, run_in_process, run_two, trainer_flags
+from helpers import REPO, grpo_flags, refl_flags, run_in_process, run_two, trainer_flags
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
@@ -270,3 +270,35 @@ def test_nft_stops_on_the_validation_reward_and_keeps_the_best_epoch(
     assert (out / LORA_WEIGHTS_NAME).read_bytes() == (out / BEST_DIR / LORA_WEIGHTS_NAME).read_bytes()
     card = (out / "README.md").read_text()
     assert "| epochs | 1 |" in card and f"Watched `{GOLD}` (max): best 0.375 at epoch 0" in card
+
+
+# ---- GRPO ----
+
+
+def test_grpo_stops_keeps_the_best_epoch_and_says_when_the_proxy_and_the_gold_part(
+    tiny_models, tmp_path, held_out, monkeypatch, capsys
+):
+    """The policy-gradient loop: gold 0.25, 0.5, 0.375, 0.125 by epoch while the proxy rises: best/ at epoch 1, the
+    divergence line and the stop after epoch 3 of 6; the final folder holds best/'s LoRA."""
+    _schedule(monkeypatch, tmp_path, "GOLD", [0.25, 0.5, 0.375, 0.125, 0.875, 0.875, 0.875])
+    _schedule(monkeypatch, tmp_path, "PROXY", [0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875])
+    out = tmp_path / "grpo"
+    guard = _guard_flags(held_out, "--validation_epochs", 2)
+    args = grpo_flags(
+        tiny_models, out, "--reward", "user_functions:proxy_schedule", "--num_epochs", "6", *guard
+    )
+    run_in_process(monkeypatch, "train_grpo.sh", args)
+    said = capsys.readouterr().out
+    stop = f"{GOLD} has not improved on 0.5 at epoch 1 for 2 validations: stopped; kept epoch 1"
+    divergence = (
+        f"divergence at epoch 3: {PROXY} rose to 0.5 while {GOLD} fell to 0.125 over the last two validations "
+        "(the training reward may be hacked)"
+    )
+    assert stop in said and divergence in said
+    assert [r["count"] for r in validation_files(out)] == [0, 1, 2, 3]
+    best = json.loads((out / BEST_DIR / BEST_FILE).read_text())
+    assert (best["epoch"], best["value"], best["grid"]) == (1, 0.5, "epoch-1.png")
+    assert json.loads((out / RUN_FILE).read_text())["best_epoch"] == 1
+    assert (out / LORA_WEIGHTS_NAME).read_bytes() == (out / BEST_DIR / LORA_WEIGHTS_NAME).read_bytes()
+    card = (out / "README.md").read_text()
+    assert "| epochs | 3 |" in card and stop in card and divergence in card

@@ -280,6 +280,7 @@ def train(cfg: DDPOConfig | GRPOConfig, image_samples_hook: ImageSamplesHook | N
     validate = validation(run, cfg.validation_epochs, cfg.num_epochs, first)
     validate(first, counters.global_step)  # the baseline (LoRA at zero) in a run that starts at epoch 0
     counters.started = time.perf_counter()  # the epoch line's clock
+    done = first
     with reward_pool(cfg) as executor:
         for epoch in range(first, cfg.num_epochs):
             # ---- plan: the epoch's prompts (GRPO: this process' slice of the groups, their x_T, the window) ----
@@ -311,7 +312,9 @@ def train(cfg: DDPOConfig | GRPOConfig, image_samples_hook: ImageSamplesHook | N
                     )
                     log_steps(run, counters, steps, inner_epoch)
             # ---- validation and checkpoint ----
-            validate(epoch + 1, counters.global_step)
+            done = epoch + 1
+            if validate(epoch + 1, counters.global_step):  # --early_stop_patience ran out
+                break
             if checkpoint_due(cfg, epoch + 1):
                 save_run_checkpoint(run, epoch + 1, *state.checkpoint(epoch + 1))
-    return finish_run(run, {"epochs": cfg.num_epochs, "optimizer steps": counters.global_step})
+    return finish_run(run, {"epochs": done, "optimizer steps": counters.global_step})
