@@ -25,12 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.run.runs import BEST_DIR, FINAL_FILES, RUN_FILE
+from refl_ddpo.run.validation import VALIDATION_TOTAL
 
-BEST_DIR = "best"  # output_dir/best/: the weights, config.json, the grid, best.json
 BEST_FILE = "best.json"
-VALIDATION_TOTAL = (
-    "validation_reward"  # a weighted --validation_reward's total: validation/validation_reward/...
-)
 
 
 def check_guard(cfg) -> None:
@@ -274,7 +272,6 @@ def write_best_files(output_dir: str | Path, guard: Guard, grid: Path) -> None:
 
 def record_best(output_dir: str | Path, guard: Guard) -> None:
     """run.json's best_step (the tracker step), best_{unit} and best_metric (the value), and the metric's key."""
-    from refl_ddpo.run.runs import RUN_FILE
 
     run_file = Path(output_dir) / RUN_FILE
     record = json.loads(run_file.read_text()) if run_file.is_file() else {}
@@ -300,8 +297,6 @@ def best_folder(output_dir: str | Path, guard: Guard | None) -> Path | None:
 def copy_best(best: Path, output_dir: str | Path) -> None:
     """best/'s weights and config.json to the top of output_dir, as the final save would write them."""
     import shutil
-
-    from refl_ddpo.run.runs import FINAL_FILES
 
     output_dir = Path(output_dir)
     for name in FINAL_FILES:

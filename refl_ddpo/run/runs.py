@@ -40,6 +40,9 @@ from refl_ddpo.run.resume_fit import check_resume_fits
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
 FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # session.finish_run writes these
+BEST_DIR = (
+    "best"  # output_dir/best/: the best weights so far (refl_ddpo.run.guard), config.json, grid, best.json
+)
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 # checkpoints.save_checkpoint's folder before its rename
 TMP_CHECKPOINT_NAME = re.compile(r"\.checkpoint-\d+\.tmp")
@@ -294,7 +297,6 @@ def clear_run(output_dir: Path, logging_dir: str) -> list[str]:
     logs = output_dir / logging_dir
     if logs.exists() and _is_inside(logs, output_dir) and logs.resolve() != output_dir.resolve():
         names.append(logging_dir)
-    from refl_ddpo.run.guard import BEST_DIR
     from refl_ddpo.run.model_card import CARD_NAME, is_our_card
     from refl_ddpo.run.validation import VALIDATION_DIR
 

@@ -34,6 +34,9 @@ import torch
 
 VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
 GRID_TAG = "validation/images"
+VALIDATION_TOTAL = (
+    "validation_reward"  # a weighted --validation_reward's total: validation/validation_reward/...
+)
 SCORED = "validation_reward/"  # --validation_reward's per-image scores among the parts draw_and_score returns
 
 
@@ -218,7 +221,6 @@ class Validator:
         """validation/<name>/mean|std of --validation_reward (a weighted sum's total as validation_reward), from the
         per-image scores draw_and_score keeps under the "validation_reward/" prefix in `parts`."""
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.run.guard import VALIDATION_TOTAL
 
         out = {}
         for spec, _ in self.scorers:
