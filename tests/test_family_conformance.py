@@ -336,7 +336,8 @@ def test_denoise_reaches_the_network_in_two_kit_frames(name, tiny_models):
     network, here = family.network, inspect.currentframe().f_code.co_name
     fed = []  # images per network call
     handle = network.register_forward_pre_hook(
-        lambda _, args, kwargs: fed.append(len(args[0] if args else kwargs["hidden_states"])),  # tensor or list
+        # the batch: a tensor's first dim, or the length of Z-Image's list of latents
+        lambda _, args, kwargs: fed.append(len(args[0] if args else kwargs["hidden_states"])),
         with_kwargs=True,
     )
     cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)

@@ -291,6 +291,7 @@ GRPO_PRESETS["flow_grpo_z_image_turbo"] = {
     "validation_guidance_scale": 1.0,
 }
 
+
 @dataclass(frozen=True)
 class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
     """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled
