@@ -288,3 +288,15 @@ def test_flow_grpo_z_image_turbo_preset_trains_on_the_tiny_turbo(tiny_models, tm
     assert "epoch 1/1" in capsys.readouterr().out
     watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(Path(tiny_models / TURBO)), out, RES, part="transformer")
+
+
+def test_memory_benchmark_configs_are_z_images_published_sizes():
+    """benchmarks/configs/z_image_*.json (and FLUX.1's VAE, Z-Image's) build the published parameter counts (on
+    meta): the 6.15B single-stream DiT, Qwen3-4B without its LM head and the 84M VAE."""
+    from benchmarks.z_image_memory import parameter_counts
+
+    assert parameter_counts() == {
+        "transformer": 6_154_908_736,
+        "vae": 83_819_683,
+        "text_encoder": 4_022_468_096,
+    }

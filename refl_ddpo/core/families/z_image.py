@@ -147,6 +147,10 @@ class ZImage(StableDiffusion3):
         scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)  # on the host: see the base class
         return scheduler.timesteps
 
+    def texts(self, cond: Cond) -> list[torch.Tensor]:
+        """The transformer's text input: each prompt's own tokens (`unpadded`)."""
+        return unpadded(cond)
+
     def predict(
         self,
         latents,
@@ -165,10 +169,10 @@ class ZImage(StableDiffusion3):
         b = latents.shape[0]
         x = latents.to(cond["prompt_embeds"].dtype).unsqueeze(2)  # (B, 16, 1, h, w): one frame
         t = (1000 - (timesteps.expand(b) if timesteps.ndim == 0 else timesteps)) / 1000
-        texts = unpadded(cond)
+        texts = self.texts(cond)
         doubled = guidance_scale > 1.0 and uncond is not None
         if doubled:
-            x, t, texts = torch.cat([x, x]), torch.cat([t, t]), texts + unpadded(uncond)
+            x, t, texts = torch.cat([x, x]), torch.cat([t, t]), texts + self.texts(uncond)
         out = transformer(list(x.unbind(0)), t, texts, return_dict=False)[0]
         out = torch.stack([o.float() for o in out]).squeeze(2)
         if doubled:
