@@ -1,5 +1,5 @@
-"""What every model family owes the kit, checked on the tiny random folder of each of the five (SD 1.x, SDXL, SD3,
-FLUX.1, Qwen-Image) from one small spec per family: the family picked from model_index.json, the loop equal to the
+"""What every model family owes the kit, checked on the tiny random folder of each (SD 1.x, SDXL, SD3, FLUX.1,
+Qwen-Image, Z-Image) from one small spec per family: the family picked from model_index.json, the loop equal to the
 stock diffusers pipeline, the reward gradient reaching every LoRA tensor and no base weight (and the LoRA saved, loaded
 by the stock `load_lora_weights` and restored for a resume), DDPO's first update on policy, ReFL training a LoRA that
 loads in the stock pipeline with validation and a card that name the family, and every trainer for two steps (DRaFT-K,
@@ -22,6 +22,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
+    ZImagePipeline,
 )
 from helpers import (
     DRAFT_CASES,
@@ -71,6 +72,8 @@ class Spec:
         False  # CFG is the pipeline's true_cfg_scale against negative_prompt="" (not guidance_scale)
     )
     embedded_guidance: bool = False  # guidance goes into the network (no negative prompt)
+    # the stock call's guidance arguments for the kit's guidance scale, where its own scale means another thing
+    stock_guidance: object = None  # float -> dict
     stock_kwargs: dict = field(default_factory=dict)  # from_pretrained's
     # the reward-gradient test: its sampler and guidance; LoRA modules that must be among the defaults; the LoRA
     # tensors (by name prefix, given the network) that get no gradient because their output reaches nothing
@@ -196,6 +199,33 @@ FAMILIES = {
         policy_flags={"sample_guidance_scale": 4.0},
         card=("| model family | Qwen-Image", "- qwen-image\n"),
     ),
+    "z_image": Spec(
+        name="z_image",
+        model="tiny-z-image",
+        pipeline=ZImagePipeline,
+        part="transformer",
+        native_resolution=1024,  # the pipeline's default height
+        # no CFG and CFG 5 (the pipeline's 4) at 32 and 48 px on the base; the Turbo without CFG (its own shift)
+        loops=(
+            Loop("FlowMatchEulerDiscreteScheduler", 1.0),
+            Loop("FlowMatchEulerDiscreteScheduler", 5.0),
+            Loop("FlowMatchEulerDiscreteScheduler", 5.0, resolution=48),
+            Loop("FlowMatchEulerDiscreteScheduler", 1.0, model="tiny-z-image-turbo"),
+        ),
+        tolerance=1e-5,
+        stock_guidance=lambda s: {"guidance_scale": s - 1.0},  # text + g (text - uncond), CFG off at g = 0
+        grad_guidance=5.0,
+        lora_parts=(
+            "noise_refiner.0.attention.to_q",
+            "context_refiner.0.feed_forward.w2",
+            "layers.1.attention.to_out.0",
+        ),
+        ddpo_guidance=5.0,
+        buffers={"prompt_embeds": (4,), "prompt_embeds_mask": (4,), "next_latents": (4, 3, 16, 16, 16)},
+        refl_flags={"guidance_scale": 5.0, "validation_guidance_scale": 5.0},
+        policy_flags={"sample_guidance_scale": 5.0},
+        card=("| model family | Z-Image", "- z-image\n"),
+    ),
 }
 NAMES = list(FAMILIES)
 
@@ -244,6 +274,8 @@ def _cfg(spec: Spec, guidance_scale: float) -> tuple[bool, dict]:
     """(whether our loop encodes a negative prompt, the stock call's guidance arguments)."""
     if spec.embedded_guidance:
         return False, {"guidance_scale": guidance_scale}
+    if spec.stock_guidance is not None:
+        return guidance_scale > 1, spec.stock_guidance(guidance_scale)
     if spec.true_cfg:
         cfg = {"negative_prompt": "", "true_cfg_scale": guidance_scale} if guidance_scale > 1 else {}
         return guidance_scale > 1, cfg
@@ -262,7 +294,7 @@ def test_loop_reproduces_stock_pipeline(name, loop, stock, record_property):
     try:
         pipe.scheduler = family.scheduler(loop.sampler)
         ref = pipe(
-            PROMPTS,
+            list(PROMPTS),  # a copy: ZImagePipeline writes its chat template into the list it is given
             num_inference_steps=loop.steps,
             height=loop.resolution,
             width=loop.resolution,
@@ -304,7 +336,8 @@ def test_denoise_reaches_the_network_in_two_kit_frames(name, tiny_models):
     network, here = family.network, inspect.currentframe().f_code.co_name
     fed = []  # images per network call
     handle = network.register_forward_pre_hook(
-        lambda _, args, kwargs: fed.append((args[0] if args else kwargs["hidden_states"]).shape[0]),
+        # the batch: a tensor's first dim, or the length of Z-Image's list of latents
+        lambda _, args, kwargs: fed.append(len(args[0] if args else kwargs["hidden_states"])),
         with_kwargs=True,
     )
     cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)

@@ -129,7 +129,8 @@ def _encode_sharded(rank: int, tiny_models, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     prompts = [["a red cube", "two blue spheres on a table"], ["a green pyramid"]][rank]
     try:
-        for model in ("tiny-flux", "tiny-qwen-image"):  # tiny SD3's (two CLIPs and T5): the run below
+        # tiny SD3's text encoders (two CLIPs and T5): the run below
+        for model in ("tiny-flux", "tiny-qwen-image", "tiny-z-image"):
             whole = load_family(str(tiny_models / model))
             sharded = load_family(str(tiny_models / model), shard_text_encoders=True)
             params = [p for m in sharded.text_encoders() for p in m.parameters()]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from refl_ddpo.core.lora import CONFIG_NAME, LORA_WEIGHTS_NAME
 
-FAMILIES = ["stable-diffusion", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image"]
+FAMILIES = ["stable-diffusion", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image"]
 
 
 def _devices(module: torch.nn.Module) -> set[str]:

@@ -4,7 +4,7 @@ diffusers format.
 A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names under the pipeline's prefix, `unet.`
 for SD 1.x/2.x and SDXL, `transformer.` for SD3 and FLUX.1, the LoRA config in its metadata) and loads into a stock
 pipeline with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)` (or `StableDiffusionXLPipeline`,
-`StableDiffusion3Pipeline`, `FluxPipeline`).
+`StableDiffusion3Pipeline`, `FluxPipeline`, `QwenImagePipeline`, `ZImagePipeline`).
 Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
 """
 
@@ -35,6 +35,7 @@ _LORA_FORMATS = {
     "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
     "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
     "QwenImageTransformer2DModel": ("QwenImagePipeline", "transformer", False),
+    "ZImageTransformer2DModel": ("ZImagePipeline", "transformer", False),
 }
 
 

@@ -74,7 +74,23 @@ def shard_frozen(module: torch.nn.Module) -> torch.nn.Module:
         if sub is not module and type(sub).__name__ in blocks:
             fully_shard(sub, reshard_after_forward=True)
     # explicit: the root reshards too (left to default, the root keeps its weights gathered for the backward)
-    return fully_shard(module, reshard_after_forward=True)
+    sharded = fully_shard(module, reshard_after_forward=True)
+    _keep_output_capture(sharded)
+    return sharded
+
+
+def _keep_output_capture(module: torch.nn.Module) -> None:
+    """transformers 5 records `output_hidden_states` only for a model whose class it registered when the model was
+    built (keyed by the class), and fully_shard gives each sharded module a new class (FSDPQwen3Model ...): without
+    this a sharded Qwen3Model (Z-Image's text encoder) returns no hidden states. Registers each such model's
+    `_can_record_outputs` under its new class."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry records outputs otherwise
+        return
+    for sub in module.modules():
+        if hasattr(sub, "_can_record_outputs") and str(type(sub)) not in _CAN_RECORD_REGISTRY:
+            _CAN_RECORD_REGISTRY[sub] = sub._can_record_outputs
 
 
 def hold_fsdp_state(accelerator, plugin) -> None:

@@ -110,6 +110,7 @@ FAMILIES = {
     "sdxl": "Stable Diffusion XL (UNet, two CLIP text encoders)",
     "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
     "qwen_image": "Qwen-Image (MMDiT, flow matching, Qwen2.5-VL text encoder)",
+    "z_image": "Z-Image / Z-Image-Turbo (single-stream DiT, flow matching, Qwen3 text encoder)",
 }
 TAGS = {
     "sd": "stable-diffusion",
@@ -117,6 +118,7 @@ TAGS = {
     "sdxl": "stable-diffusion-xl",
     "flux": "flux",
     "qwen_image": "qwen-image",
+    "z_image": "z-image",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 # Appended to the help of every guidance-scale flag: FLUX.1's guidance is an input of the network (families/flux.py).
 FLUX_GUIDANCE = " FLUX.1-dev takes it as its embedded guidance instead (unset: the pipeline's default, 3.5; schnell ignores it)."
+Z_IMAGE_GUIDANCE = " On Z-Image it is the pipeline's guidance_scale + 1; unset on Z-Image-Turbo: 1 (no CFG)."
 
 
 def field_(default: Any, help: str, group: str | None = None, flags: tuple[str, ...] = (), **kw) -> Any:
@@ -33,7 +34,8 @@ def guidance_field(cfg_default: float, help: str, **kw) -> Any:
     then gives it `cfg_default` on a family with classifier-free guidance and the pipeline's embedded guidance on
     FLUX.1 (`ModelFamily.default_guidance_scale`); a value the user sets always wins. The printed and saved config
     show the value used."""
-    return field_(None, f"{help} Default: {cfg_default:g}.{FLUX_GUIDANCE}", cfg_default=cfg_default, **kw)
+    help = f"{help} Default: {cfg_default:g}.{FLUX_GUIDANCE}{Z_IMAGE_GUIDANCE}"
+    return field_(None, help, cfg_default=cfg_default, **kw)
 
 
 def accelerate_mixed_precision() -> str:
@@ -154,7 +156,9 @@ class LoRAPart:
         None,
         "Module names of the network that get LoRA adapters; default: the model family's (SD 1.x/2.x and SDXL: "
         "to_q to_k to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out; FLUX.1: SD3's and "
-        "proj_mlp proj_out; Qwen-Image: SD3's and img_mlp.net.0.proj img_mlp.net.2 txt_mlp.net.0.proj txt_mlp.net.2).",
+        "proj_mlp proj_out; Qwen-Image: SD3's and img_mlp.net.0.proj img_mlp.net.2 txt_mlp.net.0.proj txt_mlp.net.2; "
+        "Z-Image: attention.to_q attention.to_k attention.to_v attention.to_out.0 feed_forward.w1 feed_forward.w2 "
+        "feed_forward.w3).",
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",

@@ -191,6 +191,42 @@ NFT_PRESETS: dict[str, dict[str, Any]] = {
         "kl_weight": 1e-4,
         "nft_beta": 1.0,
     },
+    # X-GenGroup/Flow-Factory examples/nft/lora/z_image/default.yaml (per GPU): 10 ODE steps at 512 px sampled with
+    # CFG 4 in the pipeline's terms (the kit's 5), groups of 16, one optimizer step per epoch, 2 timesteps per sample
+    # stratified over the upper half of the noise scale (their discrete sampling, timestep_range 0.5), beta 0.1, no
+    # KL, the old policy's decay piecewise linear (flat 0, rate 0.001, at most 0.5), lr 3e-4, LoRA r 64 / alpha 128 on
+    # the family's default targets (theirs), bf16; evaluation 40 steps at CFG 4. Their time_shift 3.0 is not the kit's.
+    "nft_z_image": {
+        "pretrained_model": "Tongyi-MAI/Z-Image",
+        "reward": "pickscore",
+        "resolution": 512,
+        "sample_num_steps": 10,
+        "sample_guidance_scale": 5.0,
+        "sample_batch_size": 4,
+        "sample_num_batches_per_epoch": 4,
+        "group_size": 16,
+        "global_std": False,
+        "train_batch_size": 4,
+        "train_gradient_accumulation_steps": 4,
+        "train_timestep_fraction": 0.2,  # 2 of 10
+        "train_timesteps": "stratified",
+        "train_timestep_range": 0.5,
+        "kl_weight": 0.0,
+        "nft_beta": 0.1,
+        "old_decay_flat": 0,
+        "old_decay_rate": 0.001,
+        "old_decay_max": 0.5,
+        "learning_rate": 3e-4,
+        "adam_weight_decay": 1e-4,
+        "max_grad_norm": 1.0,
+        "lora_rank": 64,
+        "lora_alpha": 128,
+        "mixed_precision": "bf16",
+        "num_epochs": 1000,
+        "save_freq": 40,
+        "validation_num_steps": 40,
+        "validation_guidance_scale": 5.0,
+    },
     "toy_world": _TOY,
     "toy_world_sd3": _TOY_SD3,
 }

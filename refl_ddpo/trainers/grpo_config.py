@@ -240,6 +240,58 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
 }
 
 
+# Flow-GRPO on Z-Image with PickScore (X-GenGroup/Flow-Factory examples/grpo/lora/z_image/default.yaml, per GPU): 10
+# steps at 512 px with CFG 4 in the pipeline's terms (text + 4 (text - uncond): the kit's 5), Flow-GRPO's SDE at noise
+# level 0.7 on one step per rollout drawn from steps 1-3 (their sde_steps; here the window start is drawn from steps
+# 0-3, the windows that end before the last 6 steps), groups of 16, 2 optimizer steps per epoch, each group's own std,
+# clip 1e-4, advantages clipped to 5, beta 0, lr 3e-4, weight decay 1e-4, LoRA r 64 / alpha 128 on their default
+# targets (the family's: every block's attention and MLP), bf16; evaluation 40 steps at CFG 4 (their 1024 px). Their
+# 8 GPUs sample 48 prompts x 16 per epoch; one GPU here samples one group. Their EMA of the weights (decay 0.9) is
+# not the kit's.
+GRPO_PRESETS["flow_grpo_z_image"] = {
+    "pretrained_model": "Tongyi-MAI/Z-Image",
+    "reward": "pickscore",
+    "resolution": 512,
+    "sample_num_steps": 10,
+    "sample_eta": 0.7,
+    "sample_guidance_scale": 5.0,
+    "sde_window": 1,
+    "train_skip_last_steps": 6,
+    "sample_batch_size": 4,
+    "sample_num_batches_per_epoch": 4,
+    "group_size": 16,
+    "global_std": False,
+    "train_batch_size": 4,
+    "train_gradient_accumulation_steps": 2,
+    "train_clip_range": 1e-4,
+    "train_adv_clip_max": 5.0,
+    "kl_weight": 0.0,
+    "learning_rate": 3e-4,
+    "adam_weight_decay": 1e-4,
+    "max_grad_norm": 1.0,
+    "lora_rank": 64,
+    "lora_alpha": 128,
+    "mixed_precision": "bf16",
+    "num_epochs": 1000,
+    "save_freq": 40,
+    "validation_num_steps": 40,
+    "validation_guidance_scale": 5.0,
+}
+
+# The same on Z-Image-Turbo (Flow-Factory examples/grpo/lora/z_image_turbo/default.yaml): 6 steps without CFG (their
+# guidance 0: the kit's 1), the SDE step drawn from steps 0-3 (the windows that end before the last 2), evaluation 10
+# steps without CFG at 512 px; the rest as above.
+GRPO_PRESETS["flow_grpo_z_image_turbo"] = {
+    **GRPO_PRESETS["flow_grpo_z_image"],
+    "pretrained_model": "Tongyi-MAI/Z-Image-Turbo",
+    "sample_num_steps": 6,
+    "sample_guidance_scale": 1.0,
+    "train_skip_last_steps": 2,
+    "validation_num_steps": 10,
+    "validation_guidance_scale": 1.0,
+}
+
+
 @dataclass(frozen=True)
 class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
     """GRPO with LoRA (Flow-GRPO, Liu et al. 2025; DanceGRPO, Xue et al. 2025): each prompt of an epoch is sampled

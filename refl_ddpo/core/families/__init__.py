@@ -23,6 +23,7 @@ FAMILIES = {
     "StableDiffusionXLPipeline": ("refl_ddpo.core.families.sdxl", "StableDiffusionXL"),
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
+    "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
 }
 
 
@@ -58,7 +59,7 @@ def load_family(
     from refl_ddpo.core.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
-    cls = family_class(pipeline_class)
+    cls = family_class(pipeline_class).variant(name)
     if drop_t5 and pipeline_class == "FluxPipeline":
         raise UserError(
             f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
@@ -68,6 +69,8 @@ def load_family(
         raise UserError(
             f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
+    if drop_t5 and pipeline_class == "ZImagePipeline":
+        raise UserError(f"--drop_t5: {name} is a Z-Image model, which has no T5 (Qwen3 reads its prompt).")
     on_host = ((cls.network_name,) if network_on_host else ()) + (
         TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
     )
@@ -98,9 +101,9 @@ def resolve_lora_targets(cfg):
 def resolve_guidance(cfg, family: type[ModelFamily] | None = None):
     """The config with every guidance flag left unset (None; a field made by `refl_ddpo.run.config.guidance_field`)
     resolved to the model family's default for it (`ModelFamily.default_guidance_scale`): the flag's CFG default on
-    SD 1.x/2.x, SDXL and SD3, the pipeline's embedded guidance (3.5) on FLUX.1. A value the user set is kept. The
-    family is chosen from model_index.json (before any weights load) unless given. A copy; the config stays as it
-    was."""
+    SD 1.x/2.x, SDXL and SD3, the pipeline's embedded guidance (3.5) on FLUX.1, 1 (no CFG) on Z-Image-Turbo. A value
+    the user set is kept. The family is chosen from model_index.json (and `ModelFamily.variant`'s configs) before any
+    weights load, unless given. A copy; the config stays as it was."""
     import dataclasses
 
     unset = {
@@ -113,5 +116,5 @@ def resolve_guidance(cfg, family: type[ModelFamily] | None = None):
     if family is None:
         from refl_ddpo.core.models import pipeline_class_name
 
-        family = family_class(pipeline_class_name(cfg.pretrained_model))
+        family = family_class(pipeline_class_name(cfg.pretrained_model)).variant(cfg.pretrained_model)
     return dataclasses.replace(cfg, **{n: family.default_guidance_scale(d) for n, d in unset.items()})

@@ -92,6 +92,12 @@ class ModelFamily(ABC):
         weak or an oversaturated image): every unset flag takes the pipeline's default, `embedded_guidance_default`."""
         return cfg_default if cls.embedded_guidance_default is None else cls.embedded_guidance_default
 
+    @classmethod
+    def variant(cls, name: str) -> type[ModelFamily]:
+        """The family of the model at `name` (local folder or hub id), read from its configs before any weights
+        load, where one pipeline class covers more than one (Z-Image and the distilled Z-Image-Turbo): here `cls`."""
+        return cls
+
     def __init__(self, pipe):
         import logging
 

@@ -1,0 +1,230 @@
+"""Z-Image's peak device memory, counted without a GPU by benchmarks/memory.py's machinery (`case_memory`: the meta
+device, CUDA's autocast and attention kernels, setup, a warm-up run, the peak of a second run):
+
+    python -m benchmarks.z_image_memory --out benchmarks/results/z_image_memory --refl_steps 4 --refl_k 3
+
+One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps
+steps, step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, bf16, LoRA rank 4 on the
+family's default targets, CFG off (ReFL's rollout; Z-Image-Turbo's sampling), counted at each --resolutions with
+gradient checkpointing off and on (the transformer's, the VAE's and ImageReward's), the text encoder on the device;
+the peak with it offloaded (--offload_text_encoders) is derived from the count, as benchmarks/qwen_memory.py's.
+Z-Image and Z-Image-Turbo have the same parts: one count serves both.
+
+Models: the published Tongyi-MAI/Z-Image(-Turbo) configs kept in benchmarks/configs (z_image_transformer.json, the
+6.15B single-stream DiT; z_image_text_encoder.json, Qwen3-4B's, built as the pipeline's Qwen3Model; the VAE is
+FLUX.1's, flux1dev_vae.json), random weights on meta. The tokenizer is the tiny offline one (one token per byte,
+refl_ddpo.testing.tiny_zimage), so the text is the prompt's bytes in the chat template: a few tens of tokens beside
+4096 image tokens at 1024 px, as with the real tokenizer. The prompt is encoded as the pipeline's `encode_prompt`
+does for one prompt without padding (the second-to-last hidden state) but without its mask-indexing, whose output
+shape the meta device cannot know; likewise the transformer gets each prompt's tokens whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.cases import Case
+from benchmarks.config import BenchConfig
+from benchmarks.measure import GIB
+from benchmarks.memory import case_memory
+from benchmarks.models import CONFIG_DIR, model_configs
+from benchmarks.qwen_memory import _text_encoder_bytes
+from benchmarks.report import write_files
+
+Z_IMAGE_CONFIG_FILES = {
+    "transformer": "z_image_transformer.json",
+    "vae": "flux1dev_vae.json",  # Z-Image's VAE config is FLUX.1's
+    "text_encoder": "z_image_text_encoder.json",
+}
+
+
+def z_image_configs() -> dict[str, dict]:
+    return {name: json.loads((CONFIG_DIR / f).read_text()) for name, f in Z_IMAGE_CONFIG_FILES.items()}
+
+
+def _construct(name: str, config: dict):
+    """One Z-Image part with random weights on the current default device."""
+    if name == "transformer":
+        from diffusers import ZImageTransformer2DModel
+
+        return ZImageTransformer2DModel.from_config(config)
+    if name == "vae":
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL.from_config(config)
+    from transformers import Qwen3Config, Qwen3Model
+
+    return Qwen3Model(Qwen3Config(**config))
+
+
+def parameter_counts() -> dict[str, int]:
+    """Parameters of each part (built on meta)."""
+    with torch.device("meta"):
+        return {
+            name: sum(p.numel() for p in _construct(name, c).parameters())
+            for name, c in z_image_configs().items()
+        }
+
+
+def _family(b, configs: dict[str, dict]):
+    """The ZImage family around a LoRA transformer (the trainers' make_trainable) and its trained parameters."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    from refl_ddpo.core.families.z_image import ZImage
+    from refl_ddpo.run.session import trainable_spec
+    from refl_ddpo.run.training import make_trainable
+    from refl_ddpo.testing.tiny_qwen import qwen_tokenizer
+    from refl_ddpo.testing.tiny_zimage import BASE_SCHEDULER, QWEN3_CHAT_TEMPLATE
+
+    class BenchZImage(ZImage):
+        def run_text_encoders(self, prompts, with_negative):
+            """As encode_prompt for prompts without padding (see the module doc)."""
+            pipe = self.pipe
+            tokens = pipe.tokenizer([self._templated(p) for p in prompts], return_tensors="pt").to(
+                pipe.device
+            )
+            out = pipe.text_encoder(
+                input_ids=tokens.input_ids,
+                attention_mask=tokens.attention_mask.bool(),
+                output_hidden_states=True,
+            )
+            embeds = out.hidden_states[-2]
+            return {"prompt_embeds": embeds, "prompt_embeds_mask": tokens.attention_mask}, None
+
+        def texts(self, cond):
+            return list(cond["prompt_embeds"].unbind(0))  # every token kept: no mask-indexing on meta
+
+    parts = {}
+    for name in ("transformer", "vae", "text_encoder"):
+        with torch.device(b.device):
+            model = _construct(name, configs[name])
+        parts[name] = model.requires_grad_(False).eval().to(dtype=b.dtype)
+    config = dataclasses.replace(
+        b.common, use_lora=True, lora_target_modules=list(ZImage.lora_target_modules)
+    )
+    params = make_trainable(parts["transformer"], trainable_spec(config))
+    tokenizer = qwen_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER), tokenizer=tokenizer, **parts
+    )
+    return BenchZImage(pipe), params, b.prompts(1)
+
+
+def refl_case(configs: dict[str, dict]) -> Case:
+    """One ReFL optimizer step on Z-Image (see the module doc)."""
+
+    def setup(b):
+        from refl_ddpo.trainers.backprop import Rollout, refl_step
+
+        family, params, (prompts, metadata) = _family(b, configs)
+        b.text_encoder_bytes = _text_encoder_bytes(family)
+        b.text_encoder_family = family
+        scheduler = family.rollout_scheduler("ddpm")
+        reward_model = b.build("reward")
+        base = family.network
+        network, optimizer = b.prepare(base, params, None)
+        b.finish(network, family.vae, reward_model)
+        reward, acc = b.imagereward(reward_model), b.accelerator
+        network.train()
+
+        def run():
+            with acc.accumulate(network):
+                cond = family.encode_prompts(prompts, with_negative=False)[0]
+                noise = family.initial_noise(1, b.resolution, b.generator, cond["prompt_embeds"].dtype)
+                rollout = Rollout(
+                    family,
+                    scheduler,
+                    cond,
+                    None,
+                    prompts,
+                    metadata,
+                    noise,
+                    b.cfg.refl_steps,
+                    generator=b.generator,
+                    network=network,
+                )
+                out = refl_step(rollout, reward, b.cfg.refl_k, grad_scale=b.cfg.grad_scale)
+                acc.backward(out.loss)
+                acc.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return out.loss.detach()
+
+        return run, {"unet": base, "vae": family.vae, "reward": reward_model}
+
+    settings = {"mode": "lora", "batch": 1, "model": "z-image", "text_encoder_on_device": True}
+    return Case("z_image_refl lora b1", "z_image_refl", "optimizer step", 1, settings, setup)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--refl_steps", type=int, default=40)
+    parser.add_argument("--refl_k", type=int, default=35)
+    parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = z_image_configs()
+    argv_used = argv if argv is not None else sys.argv[1:]
+    results = {
+        "command": " ".join(["python -m benchmarks.z_image_memory", *argv_used]),
+        "parameters": parameter_counts(),
+        "dtype": "bf16",
+        "cases": [],
+    }
+    header = (
+        "| resolution | gradient checkpointing | weights (GiB) | peak (GiB, computed) | peak, text encoder off the "
+        "device (GiB, derived) | counted in |"
+    )
+    lines = [header, "|---|---|---|---|---|---|"]
+    footer = (
+        f"\n- Computed on the meta device, not measured: Z-Image architecture, bf16, a ReFL rollout of "
+        f"{args.refl_steps} steps with grad at step {args.refl_k}, LoRA rank 4. Weights: what is live before the "
+        "counted run (weights and AdamW states). Text encoder off the device (derived, not counted): the peak less "
+        "its weights (it runs before the rollout, whose backward holds the peak).\n"
+    )
+    checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
+    with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
+        sd_configs = model_configs(False, Path(workdir))  # ImageReward's config; the SD ones are not used
+        for resolution in args.resolutions:
+            for gc in checkpointing:
+                cfg = BenchConfig(
+                    dtype="bf16",
+                    device="cpu",
+                    resolution=resolution,
+                    refl_steps=args.refl_steps,
+                    refl_k=args.refl_k,
+                    gradient_checkpointing=gc,
+                    memory_only=True,
+                )
+                r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs))
+                r |= {"gradient_checkpointing": gc, "resolution": resolution}
+                results["cases"].append(r)
+                off = r.get("peak_text_encoders_offloaded_bytes")
+                lines.append(
+                    f"| {resolution} | {'on' if gc else 'off'} | {r['steady_bytes'] / GIB:.2f} | "
+                    f"{r['peak_bytes'] / GIB:.2f} | {'-' if off is None else f'{off / GIB:.2f}'} | "
+                    f"{r['seconds']:.0f} s |"
+                )
+                print(lines[-1], flush=True)
+                files = {
+                    "memory.json": json.dumps(results, indent=2) + "\n",
+                    "memory.md": "\n".join(lines) + "\n",
+                }
+                files["memory.md"] += footer
+                write_files(out, files)
+    return results
+
+
+if __name__ == "__main__":
+    main()
