@@ -110,6 +110,8 @@ FAMILIES = {
     "sdxl": "Stable Diffusion XL (UNet, two CLIP text encoders)",
     "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
     "qwen_image": "Qwen-Image (MMDiT, flow matching, Qwen2.5-VL text encoder)",
+    "flux2": "FLUX.2 [dev] (rectified-flow transformer, Mistral-Small-3.1 text encoder, embedded guidance)",
+    "flux2_klein": "FLUX.2 [klein] (rectified-flow transformer, Qwen3 text encoder)",
 }
 TAGS = {
     "sd": "stable-diffusion",
@@ -117,6 +119,8 @@ TAGS = {
     "sdxl": "stable-diffusion-xl",
     "flux": "flux",
     "qwen_image": "qwen-image",
+    "flux2": "flux2",
+    "flux2_klein": "flux2-klein",
 }
 
 

@@ -23,6 +23,8 @@ FAMILIES = {
     "StableDiffusionXLPipeline": ("refl_ddpo.core.families.sdxl", "StableDiffusionXL"),
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
+    "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
+    "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
 }
 
 
