@@ -35,6 +35,7 @@ _LORA_FORMATS = {
     "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
     "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
     "QwenImageTransformer2DModel": ("QwenImagePipeline", "transformer", False),
+    "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),  # [klein] shares its loader (Flux2LoraLoaderMixin)
 }
 
 
