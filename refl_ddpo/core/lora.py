@@ -35,7 +35,8 @@ _LORA_FORMATS = {
     "SD3Transformer2DModel": ("StableDiffusion3Pipeline", "transformer", False),
     "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
     "QwenImageTransformer2DModel": ("QwenImagePipeline", "transformer", False),
-    "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),  # [klein] shares its loader (Flux2LoraLoaderMixin)
+    # FLUX.2 [dev] and [klein]: both pipelines load it with the same Flux2LoraLoaderMixin
+    "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),
 }
 
 

@@ -84,7 +84,9 @@ def mistral_processor():
 
     specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
     specials += ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
-    tokenizer = _byte_tokenizer(specials, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer = _byte_tokenizer(
+        specials, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     return PixtralProcessor(
         image_processor=PixtralImageProcessor(), tokenizer=tokenizer, chat_template=MISTRAL_CHAT_TEMPLATE
     )
@@ -103,7 +105,9 @@ def tiny_mistral3(tokenizer, seed: int):
     """A tiny random Mistral3 (31 text layers of width 16, grouped-query attention; a one-layer Pixtral tower)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in [("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")]}
+    ids = {
+        k: tokenizer.convert_tokens_to_ids(t) for k, t in [("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")]
+    }
     text = {
         "model_type": "mistral",
         "vocab_size": len(tokenizer),

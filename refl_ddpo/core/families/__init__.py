@@ -70,6 +70,10 @@ def load_family(
         raise UserError(
             f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
         )
+    if drop_t5 and pipeline_class in ("Flux2Pipeline", "Flux2KleinPipeline"):
+        raise UserError(
+            f"--drop_t5: {name} is a FLUX.2 model, which has no T5 (a decoder LLM reads its prompt)."
+        )
     on_host = ((cls.network_name,) if network_on_host else ()) + (
         TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
     )

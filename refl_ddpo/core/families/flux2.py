@@ -99,7 +99,9 @@ class Flux2(StableDiffusion3):
 
         f = 2 * self.vae_scale_factor
         if resolution % f:
-            raise ValueError(f"resolution {resolution} is not a multiple of {f} (VAE scale factor x 2x2 patches)")
+            raise ValueError(
+                f"resolution {resolution} is not a multiple of {f} (VAE scale factor x 2x2 patches)"
+            )
         shape = (batch_size, self.network.config.in_channels, resolution // f, resolution // f)
         return randn_tensor(shape, generator=generator, device=self.pipe.device, dtype=dtype)
 
@@ -143,7 +145,12 @@ class Flux2(StableDiffusion3):
             ("img_ids", b, h, w, latents.device),
             lambda: self.pipe._prepare_latent_ids(latents[:, :0]).to(latents.device),
         )
-        kwargs = {"timestep": timesteps / 1000, "guidance": guidance, "img_ids": img_ids, "return_dict": False}
+        kwargs = {
+            "timestep": timesteps / 1000,
+            "guidance": guidance,
+            "img_ids": img_ids,
+            "return_dict": False,
+        }
         v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0]
         if self.uses_cfg() and guidance_scale > 1.0 and uncond is not None:
             v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0]
@@ -182,5 +189,8 @@ class Flux2Klein(Flux2):
 
     def _chat(self, prompt: str) -> str:
         return self.pipe.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=False,
         )
