@@ -10,7 +10,7 @@ tests/test_family_conformance.py."""
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
-from helpers import ddpo_first_update
+from helpers import assert_lora_changes_stock_images, ddpo_first_update, trainer_flags, watch_training
 
 from refl_ddpo.core.families import load_family
 from refl_ddpo.core.families.flux2 import Flux2, Flux2Klein
@@ -252,3 +252,75 @@ def test_ddpo_on_the_distilled_klein_is_on_policy_without_a_cfg_call(tiny_models
         handle.remove()
     assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
     assert fed and max(fed) == 2  # batches of 2, never doubled
+
+
+# preset -> (trainer, tiny folder, (model, reward, resolution, steps, eta or None, guidance), SDE window's possible
+# starts or None)
+PRESETS = {
+    "flow_factory_flux2": ("grpo", DEV, ("FLUX.2-dev", "clip_score:1,pickscore:0.5", 512, 8, 1.0, 4.0), 4),
+    "flow_factory_flux2_klein": ("grpo", KLEIN, ("FLUX.2-klein-9B", "pickscore", 384, 4, 0.5, 1.0), 3),
+    "flow_factory_flux2_klein_base": (
+        "grpo",
+        BASE,
+        ("FLUX.2-klein-base-9B", "pickscore", 384, 8, 0.7, 4.0),
+        4,
+    ),
+    "nft_flux2_klein_base": ("nft", BASE, ("FLUX.2-klein-base-4B", "pickscore", 384, 8, None, 1.0), None),
+}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_flow_factory_presets_keep_their_sources_numbers_and_train_on_the_tiny_model(
+    preset, tiny_models, tmp_path, capsys, monkeypatch
+):
+    """Each preset as data (Flow-Factory's FLUX.2 examples, one GPU's share): its numbers, the family's default
+    LoRA targets at r 64 / alpha 128, and a run of it on its tiny folder (smaller batches, one epoch, CPU
+    precision) that trains a LoRA the stock pipeline loads."""
+    import importlib
+
+    from refl_ddpo.run.flags import parse_config
+    from refl_ddpo.trainers.forward_config import NFTConfig
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    trainer, folder, numbers, starts = PRESETS[preset]
+    module = importlib.import_module(f"refl_ddpo.trainers.{trainer}")
+    cfg = parse_config({"grpo": GRPOConfig, "nft": NFTConfig}[trainer], ["--preset", preset])
+    eta = cfg.sample_eta if trainer == "grpo" else None
+    assert (
+        cfg.pretrained_model.split("/")[-1],
+        cfg.reward,
+        cfg.resolution,
+        cfg.sample_num_steps,
+        eta,
+        cfg.sample_guidance_scale,
+    ) == numbers
+    assert (cfg.group_size, cfg.sample_batch_size * cfg.sample_num_batches_per_epoch) == (16, 16)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules) == (64, 128, None)  # the family's default
+    assert cfg.mixed_precision == "bf16" and cfg.kl_weight == 0.0 and not cfg.global_std
+    if starts is not None:  # one SDE step, its start drawn among the first `starts` steps
+        assert (cfg.sde_window, cfg.sample_num_steps - cfg.train_skip_last_steps) == (1, starts)
+
+    out = tmp_path / "preset"
+    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
+    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        preset,
+        model=folder,
+        reward="jpeg_compressibility",
+        mixed_precision="no",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        validation_num_steps=2,
+        **small,
+    )
+    watch = watch_training(monkeypatch)
+    module.main(flags)
+    assert "epoch 1/1" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
+    pipe = FOLDERS[folder][0].from_pretrained(tiny_models / folder)
+    pipe.set_progress_bar_config(disable=True)
+    assert_lora_changes_stock_images(pipe, out, RES, part="transformer")
