@@ -171,6 +171,29 @@ def test_each_flux2_guides_as_its_pipeline(stock):
     assert fed == 2 and torch.equal(distilled, _velocity(klein, 1.0, with_uncond=False)[0])
 
 
+@pytest.mark.parametrize("folder, guidance_scale", [(DEV, 4.0), (BASE, 4.0)])
+def test_loop_reproduces_stock_pipeline_in_bfloat16(folder, guidance_scale, tiny_models, record_property):
+    """[dev] with its embedded guidance and the [klein] base with CFG, in bfloat16: within 1 grey level (the stock
+    postprocess rounds in bfloat16, ours decodes to float32)."""
+    from refl_ddpo.core.sampling import denoise
+
+    path = tiny_models / folder
+    family = load_family(str(path), dtype=torch.bfloat16)
+    pipe = FOLDERS[folder][0].from_pretrained(path, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    kw = {"height": RES, "width": RES, "output_type": "pt", "guidance_scale": guidance_scale}
+    ref = pipe(prompt=PROMPTS, num_inference_steps=4, generator=_generators(), **kw).images.float()
+    with torch.no_grad():
+        cond, uncond = family.encode_prompts(PROMPTS, with_negative=True)
+        noise = family.initial_noise(2, RES, _generators(), cond["prompt_embeds"].dtype)
+        scheduler = family.scheduler("FlowMatchEulerDiscreteScheduler")
+        out = denoise(family, scheduler, cond, uncond, noise, 4, guidance_scale)
+        ours = family.decode(out.latents).float()
+    diff = (ours - ref).abs().max().item()
+    record_property("max_grey_levels", diff * 255)
+    assert diff <= 1 / 255
+
+
 def test_unset_guidance_flags_take_the_embedded_default_on_dev_and_the_cfg_defaults_on_klein(tiny_models):
     """Every trainer's guidance flags left unset: 4.0 (Flux2Pipeline's default) on [dev]; on [klein] the flags keep
     their CFG defaults (CFG on the base, ignored on the distilled model)."""

@@ -22,20 +22,13 @@ from pathlib import Path
 
 import torch
 
+from refl_ddpo.testing.tiny_flux import DEV_SCHEDULER
 from refl_ddpo.testing.tiny_parts import byte_chars
 from refl_ddpo.testing.tiny_qwen import qwen_tokenizer
 
-# The settings of FLUX.2's scheduler_config.json that the pipelines read: dynamic shifting on, so that the `mu` they
-# compute (`compute_empirical_mu`) is used; the rest are FLUX.1-dev's values.
-FLUX2_SCHEDULER = {
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 4096,
-}
+# FLUX.2's scheduler config: FLUX.1-dev's, as diffusers' scripts/convert_flux2_to_diffusers.py builds the pipeline
+# (dynamic shifting on, so the `mu` the pipelines compute with `compute_empirical_mu` is used).
+FLUX2_SCHEDULER = DEV_SCHEDULER
 TEXT_WIDTH = 16  # the tiny text encoders' hidden size; the prompt embedding stacks 3 layers: 48 wide
 LATENT_CHANNELS = 8
 
