@@ -54,6 +54,14 @@ class Flux2(StableDiffusion3):
     max_sequence_length = 512  # text tokens, the pipeline's default (every prompt is padded to it)
     embedded_guidance_default: ClassVar[float | None] = 4.0  # Flux2Pipeline.__call__'s guidance_scale default
 
+    def __init__(self, pipe):
+        import logging
+
+        super().__init__(pipe)
+        # [dev]'s encode_prompt hands padding and truncation to the processor's apply_chat_template as plain
+        # keywords, which transformers takes and warns about at every call (every batch of a run).
+        logging.getLogger("transformers.processing_utils").setLevel(logging.ERROR)
+
     @property
     def native_resolution(self) -> int:
         """The pipeline's default image side: default_sample_size (128) x the VAE scale factor (1024 for FLUX.2)."""
