@@ -1,9 +1,9 @@
 """What only the FLUX.2 families have, on the tiny random FLUX.2 [dev] and [klein] (distilled and base) folders:
 prompt encoding (the chat template, the hidden-state stack, the text position ids) vs the stock pipelines'
 `encode_prompt`, noise and packing of the patchified latents, the guidance of each (the embedded guidance of [dev],
-CFG on the [klein] base, none on the distilled [klein], whatever the flags say), the unset guidance flags resolved
-per family, inference.py against the stock pipeline's default call, DDPO on policy on the distilled [klein] with no
-CFG call, the presets. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA
+CFG on the [klein] base, none on the distilled [klein], whatever the flags say), the loop in bfloat16, the unset
+guidance flags resolved per family, inference.py against the stock pipeline's call, DDPO on policy on the distilled
+[klein] with no CFG call, the presets, the memory benchmark's configs. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA
 in the stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in
 tests/test_family_conformance.py."""
 
@@ -347,3 +347,16 @@ def test_flow_factory_presets_keep_their_sources_numbers_and_train_on_the_tiny_m
     pipe = FOLDERS[folder][0].from_pretrained(tiny_models / folder)
     pipe.set_progress_bar_config(disable=True)
     assert_lora_changes_stock_images(pipe, out, RES, part="transformer")
+
+
+def test_memory_benchmark_configs_are_flux2s_published_sizes():
+    """benchmarks/configs/flux2*.json (diffusers' conversion script's configs) build the published sizes on meta: the
+    32 B [dev] transformer, the 4 B and 9 B [klein] ones, the 84 M VAE."""
+    from benchmarks.flux2_memory import parameter_counts
+
+    assert parameter_counts() == {
+        "flux2_dev": 32_223_281_152,
+        "flux2_klein_4b": 3_875_544_576,
+        "flux2_klein_9b": 9_078_581_248,
+        "vae": 84_046_115,
+    }
