@@ -61,9 +61,9 @@ def assert_lora_changes_stock_images(
     import torch
 
     kw = {"num_inference_steps": steps, "height": resolution, "width": resolution, "output_type": "pt"}
-    before = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    before = pipe(prompt="a cat", generator=torch.Generator().manual_seed(0), **kw).images
     pipe.load_lora_weights(str(lora_dir))
-    after = pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).images
+    after = pipe(prompt="a cat", generator=torch.Generator().manual_seed(0), **kw).images
     assert (before - after).abs().max() > 1e-4
     if part is not None:
         from safetensors.torch import load_file

@@ -1,5 +1,5 @@
 """What every model family owes the kit, checked on the tiny random folder of each (SD 1.x, SDXL, SD3, FLUX.1,
-Qwen-Image, Z-Image) from one small spec per family: the family picked from model_index.json, the loop equal to the
+Qwen-Image, Z-Image, FLUX.2 [dev] and [klein]) from one small spec per family: the family picked from model_index.json, the loop equal to the
 stock diffusers pipeline, the reward gradient reaching every LoRA tensor and no base weight (and the LoRA saved, loaded
 by the stock `load_lora_weights` and restored for a resume), DDPO's first update on policy, ReFL training a LoRA that
 loads in the stock pipeline with validation and a card that name the family, and every trainer for two steps (DRaFT-K,
@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import (
+    Flux2KleinPipeline,
+    Flux2Pipeline,
     FluxPipeline,
     QwenImagePipeline,
     StableDiffusion3Pipeline,
@@ -226,6 +228,46 @@ FAMILIES = {
         policy_flags={"sample_guidance_scale": 5.0},
         card=("| model family | Z-Image", "- z-image\n"),
     ),
+    "flux2": Spec(
+        name="flux2",
+        model="tiny-flux2",
+        pipeline=Flux2Pipeline,
+        part="transformer",
+        native_resolution=256,
+        # the embedded guidance at the pipeline's default and off, at 32 px and at 48 px (another shift mu)
+        loops=(
+            Loop("FlowMatchEulerDiscreteScheduler", 4.0),
+            Loop("FlowMatchEulerDiscreteScheduler", 1.0, resolution=48),
+        ),
+        embedded_guidance=True,
+        grad_guidance=4.0,
+        lora_parts=("ff_context.linear_in", "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "to_add_out"),
+        ddpo_guidance=4.0,
+        buffers={"prompt_embeds": (4, 512, 48), "next_latents": (4, 3, 32, 8, 8)},  # patchified latents
+        refl_flags={"guidance_scale": 4.0, "validation_guidance_scale": 4.0},
+        policy_flags={"sample_guidance_scale": 4.0},
+        card=("| model family | FLUX.2 [dev]", "- flux2\n"),
+    ),
+    "flux2_klein": Spec(
+        name="flux2_klein",
+        model="tiny-flux2-klein-base",
+        pipeline=Flux2KleinPipeline,
+        part="transformer",
+        native_resolution=256,
+        # the base without and with CFG; the step-distilled model, whose pipeline ignores the guidance scale
+        loops=(
+            Loop("FlowMatchEulerDiscreteScheduler", 1.0),
+            Loop("FlowMatchEulerDiscreteScheduler", 4.0, resolution=48),
+            Loop("FlowMatchEulerDiscreteScheduler", 4.0, model="tiny-flux2-klein"),
+        ),
+        grad_guidance=4.0,
+        lora_parts=("ff.linear_out", "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "add_v_proj"),
+        ddpo_guidance=4.0,
+        buffers={"prompt_embeds": (4, 512, 48), "next_latents": (4, 3, 32, 8, 8)},
+        refl_flags={"guidance_scale": 4.0, "validation_guidance_scale": 4.0},
+        policy_flags={"sample_guidance_scale": 4.0},
+        card=("| model family | FLUX.2 [klein]", "- flux2-klein\n"),
+    ),
 }
 NAMES = list(FAMILIES)
 
@@ -294,7 +336,8 @@ def test_loop_reproduces_stock_pipeline(name, loop, stock, record_property):
     try:
         pipe.scheduler = family.scheduler(loop.sampler)
         ref = pipe(
-            list(PROMPTS),  # a copy: ZImagePipeline writes its chat template into the list it is given
+            prompt=list(PROMPTS),  # by name (FLUX.2's pipelines take an image first), a copy (ZImagePipeline
+            # writes its chat template into the list it is given)
             num_inference_steps=loop.steps,
             height=loop.resolution,
             width=loop.resolution,

@@ -130,7 +130,7 @@ def _encode_sharded(rank: int, tiny_models, port: int) -> None:
     prompts = [["a red cube", "two blue spheres on a table"], ["a green pyramid"]][rank]
     try:
         # tiny SD3's text encoders (two CLIPs and T5): the run below
-        for model in ("tiny-flux", "tiny-qwen-image", "tiny-z-image"):
+        for model in ("tiny-flux", "tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-flux2-klein-base"):
             whole = load_family(str(tiny_models / model))
             sharded = load_family(str(tiny_models / model), shard_text_encoders=True)
             params = [p for m in sharded.text_encoders() for p in m.parameters()]
@@ -150,8 +150,9 @@ def _encode_sharded(rank: int, tiny_models, port: int) -> None:
 
 
 def test_sharded_text_encoders_encode_as_the_whole_ones(tiny_models):
-    """FLUX.1's CLIP and T5 and Qwen-Image's Qwen2.5-VL, sharded per block over two processes
-    (`refl_ddpo.core.sharding.shard_frozen`): the same conditioning as unsharded, bit for bit (`_encode_sharded`)."""
+    """FLUX.1's CLIP and T5, Qwen-Image's Qwen2.5-VL and FLUX.2's Mistral3 / Qwen3, sharded per block over two
+    processes (`refl_ddpo.core.sharding.shard_frozen`): the same conditioning as unsharded, bit for bit
+    (`_encode_sharded`)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_encode_sharded, args=(tiny_models, free_port()), nprocs=2)

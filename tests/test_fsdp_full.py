@@ -135,7 +135,7 @@ def _devices(module: torch.nn.Module) -> set[str]:
     return {t.device.type for t in [*module.parameters(), *module.buffers()]}
 
 
-@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux", "stable-diffusion"])
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-flux", "stable-diffusion", "tiny-flux2"])
 @pytest.mark.parametrize("use_lora", [True, False], ids=["lora", "full"])
 def test_under_fsdp_the_network_reaches_prepare_on_the_host_and_the_frozen_parts_on_the_device(
     tiny_models, model, use_lora

@@ -88,7 +88,8 @@ class InferenceConfig(ConfigBase):
     scheduler: Literal["ddim", "euler"] | None = field_(
         None,
         "Sampler, built from the model's scheduler config: ddim (SD 1.x/2.x, SDXL; eta 0 is deterministic) or "
-        "euler (SD 1.x/2.x's and SDXL's Euler, or the flow-matching one of SD3, FLUX.1, Qwen-Image and Z-Image); "
+        "euler (SD 1.x/2.x's and SDXL's Euler, or the flow-matching one of SD3, FLUX.1, Qwen-Image, Z-Image and "
+        "FLUX.2); "
         "default: the model family's first (ddim for SD 1.x/2.x and SDXL, euler for the flow models).",
     )
     eta: float = field_(

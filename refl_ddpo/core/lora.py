@@ -36,6 +36,8 @@ _LORA_FORMATS = {
     "FluxTransformer2DModel": ("FluxPipeline", "transformer", False),
     "QwenImageTransformer2DModel": ("QwenImagePipeline", "transformer", False),
     "ZImageTransformer2DModel": ("ZImagePipeline", "transformer", False),
+    # FLUX.2 [dev] and [klein]: both pipelines load it with the same Flux2LoraLoaderMixin
+    "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),
 }
 
 

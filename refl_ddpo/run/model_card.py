@@ -111,6 +111,8 @@ FAMILIES = {
     "flux": "FLUX.1 (rectified-flow transformer, CLIP + T5)",
     "qwen_image": "Qwen-Image (MMDiT, flow matching, Qwen2.5-VL text encoder)",
     "z_image": "Z-Image / Z-Image-Turbo (single-stream DiT, flow matching, Qwen3 text encoder)",
+    "flux2": "FLUX.2 [dev] (rectified-flow transformer, Mistral-Small-3.1 text encoder, embedded guidance)",
+    "flux2_klein": "FLUX.2 [klein] (rectified-flow transformer, Qwen3 text encoder)",
 }
 TAGS = {
     "sd": "stable-diffusion",
@@ -119,6 +121,8 @@ TAGS = {
     "flux": "flux",
     "qwen_image": "qwen-image",
     "z_image": "z-image",
+    "flux2": "flux2",
+    "flux2_klein": "flux2-klein",
 }
 
 

@@ -158,7 +158,8 @@ class LoRAPart:
         "to_q to_k to_v to_out.0; SD3: those and add_q_proj add_k_proj add_v_proj to_add_out; FLUX.1: SD3's and "
         "proj_mlp proj_out; Qwen-Image: SD3's and img_mlp.net.0.proj img_mlp.net.2 txt_mlp.net.0.proj txt_mlp.net.2; "
         "Z-Image: attention.to_q attention.to_k attention.to_v attention.to_out.0 feed_forward.w1 feed_forward.w2 "
-        "feed_forward.w3).",
+        "feed_forward.w3; "
+        "FLUX.2: SD3's and ff.linear_in ff.linear_out ff_context.linear_in ff_context.linear_out to_qkv_mlp_proj).",
     )
     lora_init: Literal["gaussian", "default", "random"] = field_(
         "gaussian",
@@ -261,7 +262,7 @@ class ValidationPart:
     validation_num_steps: int = field_(
         40,
         "Steps of the validation sampler, the long deterministic one: DDIM with eta 0 (SD 1.x/2.x) or the flow "
-        "ODE (SD3, FLUX.1, Qwen-Image), as inference.py runs them.",
+        "ODE (SD3, FLUX.1, Qwen-Image, FLUX.2), as inference.py runs them.",
     )
     validation_guidance_scale: float | None = guidance_field(
         7.5, "Classifier-free guidance of the validation sampler (1 turns CFG off).", ge=0

@@ -6,6 +6,7 @@
     tiny_flux.py     tiny random FLUX.1 folders (dev-like and schnell-like), written by tiny.py
     tiny_qwen.py     a tiny random Qwen-Image folder, written by tiny.py
     tiny_zimage.py   tiny random Z-Image folders (base-like and Turbo-like), written by tiny.py
+    tiny_flux2.py    tiny random FLUX.2 [dev] and [klein] (distilled, base) folders, written by tiny.py
     tiny_parts.py    what the builders share: SD's scheduler settings, offline CLIP / T5 tokenizers, a tiny CLIP config
     tiny_rewards.py  tiny random reward models (ImageReward, aesthetic, PickScore / CLIP score, HPSv2, BERTScore's BERT)
     toy_train.py     the toy world's models and their training loops

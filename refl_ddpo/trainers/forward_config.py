@@ -10,6 +10,7 @@ from refl_ddpo.core.errors import UserError
 from refl_ddpo.run.parts import field_, guidance_field
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
+from refl_ddpo.trainers.flux2_presets import FLUX2_NFT_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig
 
 SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -230,6 +231,7 @@ NFT_PRESETS: dict[str, dict[str, Any]] = {
     "toy_world": _TOY,
     "toy_world_sd3": _TOY_SD3,
 }
+NFT_PRESETS.update(FLUX2_NFT_PRESETS)  # Flow-Factory's FLUX.2 [klein] base recipe
 AWM_PRESETS: dict[str, dict[str, Any]] = {
     # X-GenGroup/Flow-Factory examples/awm/lora/sd3_5/default.yaml: 14 ODE steps, CFG-free, groups of 16 from 48
     # prompts, ghuber weighting, clip 1, advantages clipped to 1, KL 1e-4 to the base and 1 to the EMA, 6 timesteps

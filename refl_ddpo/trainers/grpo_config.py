@@ -10,6 +10,7 @@ from refl_ddpo.core.errors import UserError
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS, PPOPart
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
+from refl_ddpo.trainers.flux2_presets import FLUX2_GRPO_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, group_sizes
 
 __all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "group_sizes"]
@@ -238,6 +239,7 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
     "validation_guidance_scale": 4.0,
     "validation_num_steps": 50,
 }
+GRPO_PRESETS.update(FLUX2_GRPO_PRESETS)  # Flow-Factory's FLUX.2 [dev] and [klein] recipes
 
 
 # Flow-GRPO on Z-Image with PickScore (X-GenGroup/Flow-Factory examples/grpo/lora/z_image/default.yaml, per GPU): 10

@@ -24,6 +24,8 @@ FAMILIES = {
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
+    "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
+    "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
 }
 
 
@@ -38,6 +40,15 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
         )
     module, name = FAMILIES[pipeline_class]
     return getattr(importlib.import_module(module), name)
+
+
+# families whose prompt is read by a decoder LLM, not a T5: --drop_t5 is refused for them
+NO_T5 = {
+    "QwenImagePipeline": ("a Qwen-Image", "Qwen2.5-VL"),
+    "ZImagePipeline": ("a Z-Image", "Qwen3"),
+    "Flux2Pipeline": ("a FLUX.2", "Mistral Small 3.1"),
+    "Flux2KleinPipeline": ("a FLUX.2", "Qwen3"),
+}
 
 
 def load_family(
@@ -65,12 +76,9 @@ def load_family(
             f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
             "so it cannot run without it; leave --drop_t5 off."
         )
-    if drop_t5 and pipeline_class == "QwenImagePipeline":
-        raise UserError(
-            f"--drop_t5: {name} is a Qwen-Image model, which has no T5 (Qwen2.5-VL reads its prompt)."
-        )
-    if drop_t5 and pipeline_class == "ZImagePipeline":
-        raise UserError(f"--drop_t5: {name} is a Z-Image model, which has no T5 (Qwen3 reads its prompt).")
+    if drop_t5 and pipeline_class in NO_T5:
+        what, reader = NO_T5[pipeline_class]
+        raise UserError(f"--drop_t5: {name} is {what} model, which has no T5 ({reader} reads its prompt).")
     on_host = ((cls.network_name,) if network_on_host else ()) + (
         TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
     )
