@@ -17,7 +17,14 @@ def ppo_clip_loss(
     fraction of |r - 1| > c) as in ddpo-pytorch, and ratio = mean(r), the importance ratio (1 on-policy; a mean
     drifting below 1 is what GRPO-Guard reports in Flow-GRPO).
     """
-    log_ratio = log_prob - old_log_prob
+    return clipped_surrogate(log_prob - old_log_prob, advantages, clip_range)
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`ppo_clip_loss` of a log importance ratio (B,) given as such (GRPO-Guard's `ratio_norm`, or logp - logp_old):
+    the loss and its detached (approx_kl, clipfrac, ratio)."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -157,9 +164,13 @@ def ratio_norm(
     centred on 0 whatever the step, with a spread that depends on the change of the mean alone. The paper pairs it
     with a per-step gradient weight (the reference divides the step's PPO loss by -dt), which is not part of this
     function; its reference code takes s as the batch's mean, this function per sample (the same when a batch's
-    samples are at one step)."""
+    samples are at one step). A step of std 0 (deterministic, no density) gives 0."""
     s = torch.as_tensor(step_std, dtype=torch.float32, device=log_prob.device)
     s = s.reshape(-1) if s.ndim else s  # (B,) or a scalar
     delta = prev_sample_mean.float() - old_prev_sample_mean.float()
     bias = delta.square().mean(dim=tuple(range(1, delta.ndim)))  # (B,): mean(delta^2) over the D dimensions
-    return s * (log_prob.float() - old_log_prob.float()) + bias / (2 * s)
+    # a deterministic step (s = 0: DDIM's step to a_prev = 1) has no density: 0, with a finite (zero) gradient
+    deterministic = s == 0
+    s_safe = torch.where(deterministic, 1.0, s)
+    normed = s_safe * (log_prob.float() - old_log_prob.float()) + bias / (2 * s_safe)
+    return torch.where(deterministic, 0.0, normed)

@@ -27,6 +27,7 @@ class DenoiseOutput:
     )  # S + 1 x (B, C, h, w), with keep_trajectory
     all_pred_x0: list[torch.Tensor] = field(default_factory=list)  # S x (B, C, h, w), with keep_trajectory
     log_probs: list[torch.Tensor] = field(default_factory=list)  # S x (B,), with with_logprob
+    step_means: list[torch.Tensor] = field(default_factory=list)  # S x (B, C, h, w), with keep_step_means
 
 
 def denoise(
@@ -46,6 +47,7 @@ def denoise(
     network=None,
     sde_steps: Collection[int] | None = None,
     checkpoint_grad_steps: bool = False,
+    keep_step_means: bool = False,
 ) -> DenoiseOutput:
     """Run the sampler from `noise` for steps 0..stop_at (default: all), gradient only on `grad_steps`.
 
@@ -56,6 +58,8 @@ def denoise(
     others take the deterministic step (eta 0, the ODE step) and log-probability 0 (Flow-GRPO-Fast, MixGRPO).
     `checkpoint_grad_steps`: each grad step's network call runs under `torch.utils.checkpoint` (non-reentrant), so
     backward recomputes its activations and the forward keeps only its inputs (DRaFT-K over K steps).
+    `keep_step_means` (with `with_logprob`): each step's Gaussian mean in `step_means` (float32; a deterministic
+    step's: its next latents), which GRPO-Guard's RatioNorm compares with the trained weights' mean.
     """
     # The steps index the schedule with host timesteps, the network takes them on its device (one copy here).
     host_timesteps = family.set_timesteps(scheduler, num_inference_steps, noise)
@@ -90,7 +94,11 @@ def denoise(
             if with_logprob and sde_steps is not None and i not in sde_steps:
                 latents, x0 = family.step(scheduler, model_output, t_host, latents, 0.0, None)
                 out.log_probs.append(torch.zeros(latents.shape[0], device=latents.device))
+                if keep_step_means:
+                    out.step_means.append(latents.float())
             elif with_logprob:
+                if keep_step_means:
+                    out.step_means.append(family.step_mean(scheduler, model_output, t_host, latents, eta)[0])
                 latents, log_prob, x0 = family.step_with_logprob(
                     scheduler, model_output, t_host, latents, eta, generator
                 )

@@ -47,6 +47,9 @@ class Run:
     network: Any = None  # prepared (DDP-wrapped on several processes): every forward with grad calls it
     optimizer: Any = None  # prepared
     reward: Any = None  # refl_ddpo.rewards: (images, prompts, metadata) -> (rewards, parts)
+    judge: Any = (
+        None  # GRPO's --pairwise_reward (refl_ddpo.rewards.pairwise): (prompts, a, b, metadata) -> P(a wins)
+    )
     guard: Any = None  # refl_ddpo.run.guard.Guard with --early_stop_metric
     guard_state: dict | None = None  # the guard's counters in the checkpoint this run resumes from
 

@@ -167,6 +167,16 @@ class PPOPart:
         group="training",
         allow_inf=True,
     )
+    ratio_norm: bool = field_(
+        False,
+        "GRPO-Guard's RatioNorm (Wang et al. 2025): PPO clips exp(s * (logp - logp_old) + mean((mu - mu_old)^2) / "
+        "(2 s)) = exp(mean(eps * (mu - mu_old))), s the step's std, mu and mu_old the step's Gaussian means under "
+        "the trained and the sampling weights (kept with each sample: one more latent per step): a ratio centred "
+        "on 1 at every step, where the plain one drifts below 1 and its spread grows as 1 / s. The log-ratio is "
+        "s times smaller than the plain one: the reference pairs it with a far smaller --train_clip_range. Its "
+        "per-step loss weight (1 / -dt on flow models) is not applied.",
+        group="training",
+    )
     train_cfg: bool = field_(
         True, "Use CFG in the training forward, as in sampling (else the conditional UNet only)."
     )
@@ -204,6 +214,11 @@ class PPOPart:
                 f"--per_prompt_stat_tracking_min_count {self.per_prompt_stat_tracking_min_count} exceeds "
                 f"--per_prompt_stat_tracking_buffer_size {self.per_prompt_stat_tracking_buffer_size}: the "
                 "buffer could never hold enough rewards; make the buffer at least min_count."
+            )
+        if self.ratio_norm and self.train_clip_range == float("inf"):
+            raise UserError(
+                "--ratio_norm normalises the ratio that PPO clips, and --train_clip_range inf turns clipping off: "
+                "give a finite --train_clip_range or drop --ratio_norm."
             )
         if self.kl_weight < 0:
             raise UserError(f"--kl_weight (--beta) must be >= 0 (got {self.kl_weight}).")

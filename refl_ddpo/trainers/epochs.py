@@ -78,8 +78,12 @@ class ScoredEpoch:
     dropped: int
 
 
-# (finite gathered rewards (M,), their prompts, the group ids or None) -> (advantages (M,), stats to log)
-Advantages = Callable[[torch.Tensor, list[str], torch.Tensor | None], tuple[torch.Tensor, dict[str, float]]]
+# (finite gathered rewards (M,), their prompts, the group ids or None, each part of a weighted --reward by name (M,))
+# -> (advantages (M,), stats to log)
+Advantages = Callable[
+    [torch.Tensor, list[str], torch.Tensor | None, dict[str, torch.Tensor]],
+    tuple[torch.Tensor, dict[str, float]],
+]
 
 
 @dataclass
@@ -128,36 +132,60 @@ def reward_pool(cfg: EpochConfig) -> Iterator[ThreadPoolExecutor | None]:
 
 
 def score_epoch(
-    run: Run, epoch: int, batches: list, advantages: Advantages, groups: torch.Tensor | None = None
+    run: Run,
+    epoch: int,
+    batches: list,
+    advantages: Advantages,
+    groups: torch.Tensor | None = None,
+    win_rates: torch.Tensor | None = None,
 ) -> ScoredEpoch:
     """Rewards (and `groups`, this process' group ids) gathered over all processes, the non-finite guard, the
-    advantages; this process' share of them."""
+    advantages; this process' share of them. With `win_rates` (N,) (--pairwise_reward) the advantages are of the
+    win rates, logged as reward/pairwise/..., and the --reward's rewards are logged beside them."""
     from accelerate.utils import gather_object
 
-    from refl_ddpo.rewards import parse_reward_spec, reward_stats
+    from refl_ddpo.rewards import reward_stats
 
     cfg, accelerator = run.cfg, run.accelerator
-    local_rewards = torch.cat([b.rewards[0] for b in batches]).to(accelerator.device)  # (N,)
-    all_rewards = accelerator.gather(local_rewards).cpu()  # (P * N,), process-major
+    all_rewards = gather_rewards(accelerator, [b.rewards[0] for b in batches])  # (P * N,), process-major
     all_prompts = gather_object([p for b in batches for p in b.prompts])
     finite = check_rewards(cfg, all_rewards, epoch)  # (P * N,) bool: False = dropped
     kept = [p for p, ok in zip(all_prompts, finite.tolist(), strict=True) if ok]
     all_groups = None if groups is None else accelerator.gather(groups.to(accelerator.device)).cpu()[finite]
+    parts = reward_parts(cfg.reward, accelerator, batches, finite)
+    stats = reward_stats(cfg.reward, all_rewards[finite], parts)
+    trained = all_rewards
+    if win_rates is not None:
+        trained = gather_rewards(accelerator, [win_rates])
+        wins = trained[finite].double()
+        stats |= {
+            "reward/pairwise/mean": float(wins.mean()),
+            "reward/pairwise/std": float(wins.std(unbiased=False)),
+        }
     result = torch.zeros(len(all_rewards))  # a dropped sample: advantage 0, no gradient
-    result[finite], extra = advantages(all_rewards[finite], kept, all_groups)
-    parts = {
-        part: accelerator.gather(
-            torch.cat([b.rewards[1][part].float() for b in batches]).to(accelerator.device)
-        ).cpu()[finite]
-        for part, _ in parse_reward_spec(cfg.reward)
-        if part in batches[0].rewards[1]
-    }
-    stats = {**reward_stats(cfg.reward, all_rewards[finite], parts), **extra}
+    result[finite], extra = advantages(trained[finite], kept, all_groups, parts)
+    stats |= extra
     dropped = len(all_rewards) - int(finite.sum())
     if cfg.nonfinite_rewards == "drop":
         stats[f"{run.name}/nonfinite_rewards_dropped"] = dropped
     mine = result.reshape(accelerator.num_processes, -1)[run.rank]  # this process' samples
     return ScoredEpoch(batches, mine, stats, len(all_rewards), dropped)
+
+
+def gather_rewards(accelerator, rewards: list[torch.Tensor]) -> torch.Tensor:
+    """This process' rewards (a list of (B,)) concatenated and gathered over all processes, on the CPU."""
+    return accelerator.gather(torch.cat(rewards).float().to(accelerator.device)).cpu()
+
+
+def reward_parts(spec: str, accelerator, batches: list, finite: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each part of a weighted --reward by name: its rewards gathered over all processes (M,), the `finite` ones."""
+    from refl_ddpo.rewards import parse_reward_spec
+
+    return {
+        part: gather_rewards(accelerator, [b.rewards[1][part] for b in batches])[finite]
+        for part, _ in parse_reward_spec(spec)
+        if part in batches[0].rewards[1]
+    }
 
 
 def report_epoch(

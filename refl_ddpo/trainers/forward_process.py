@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.algorithms.forward import old_policy_decay, soft_update_
-from refl_ddpo.algorithms.policy import group_advantages, zero_std_group_fraction
+from refl_ddpo.algorithms.policy import zero_std_group_fraction
 from refl_ddpo.core.families import cond_cat
 from refl_ddpo.run.runs import start_run
 from refl_ddpo.run.session import (
@@ -45,7 +45,7 @@ from refl_ddpo.trainers.epochs import (
 )
 from refl_ddpo.trainers.forward_config import AWMConfig, ForwardConfig, NFTConfig
 from refl_ddpo.trainers.forward_training import AWM, NFT, ForwardState, Method, swapped, train_pass
-from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
+from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_advantages, grouped_prompts
 from refl_ddpo.trainers.rollouts import CleanSampler, collect_rewards, sample_clean
 
 
@@ -203,12 +203,12 @@ def release(run: Run, fp: ForwardState) -> None:
 
 
 def forward_advantages(
-    run: Run, rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor
+    run: Run, rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor, parts: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(r - the group's mean) / std, clipped to +-c (refl_ddpo.algorithms.policy.group_advantages) over the finite
-    gathered rewards (M,) and their group ids; the share of groups with one reward value, to log."""
-    cfg = run.cfg
-    advantages = group_advantages(rewards, groups, cfg.global_std, cfg.train_adv_clip_max, cfg.std_floor)
+    """(r - the group's mean) / std, clipped to +-c (refl_ddpo.algorithms.policy.group_advantages), or GDPO's
+    (--reward_aggregation gdpo, each part of --reward apart), over the finite gathered rewards (M,) and their group
+    ids; the share of groups with one reward value, to log."""
+    advantages = grouped_advantages(run.cfg, rewards, groups, parts)
     return advantages, {f"{run.name}/zero_std_groups": zero_std_group_fraction(rewards, groups)}
 
 

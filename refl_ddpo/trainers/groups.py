@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,6 +38,13 @@ class GroupConfig:
         "Divide by max(std, this): a group whose rewards nearly agree (all wrong on the main reward, apart only "
         "by a small secondary one) is not scaled up to +-1. 0 is Flow-GRPO's; same units as the reward.",
     )
+    reward_aggregation: Literal["sum", "gdpo"] = field_(
+        "sum",
+        "How the rewards of a weighted --reward 'a:w,b:v' make the advantages: sum (the weighted sum, normalised "
+        "within its group) or gdpo (each reward normalised within its group apart, weighted, summed, the sum "
+        "normalised over the epoch: Flow-Factory's GDPO, so that a reward of large spread does not drown the "
+        "others). Each reward's curve is logged as reward/<name>/... either way.",
+    )
     same_noise_per_group: bool = field_(
         False,
         "One shared initial noise x_T per group (DanceGRPO): the group's rewards then differ only by the "
@@ -52,6 +60,12 @@ class GroupConfig:
             )
         if not self.std_floor >= 0:
             raise UserError(f"--std_floor must be >= 0 (got {self.std_floor}); 0 divides by the std alone.")
+        if self.reward_aggregation == "gdpo" and (self.global_std or self.std_floor):
+            flag = "--global_std" if self.global_std else f"--std_floor {self.std_floor}"
+            raise UserError(
+                f"--reward_aggregation gdpo divides each reward by its group's std and the sum by the epoch's: "
+                f"{flag} has no place there; drop it or use --reward_aggregation sum."
+            )
         # WORLD_SIZE: set by launch.sh's check and by accelerate in every process (train() checks again)
         check_group_arithmetic(self, int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -82,6 +96,19 @@ def check_group_arithmetic(cfg: GroupConfig, num_processes: int) -> None:
         f"{cfg.sample_num_batches_per_epoch}{hint} = {images}) must be a multiple of --group_size {cfg.group_size}: "
         f"use {fixes}--sample_num_batches_per_epoch {batches}."
     )
+
+
+def check_pairwise_groups(cfg: GroupConfig, num_processes: int) -> None:
+    """--pairwise_reward compares the images of a group where they were drawn: each group on one process, i.e. the
+    images per process a multiple of --group_size (one line otherwise)."""
+    per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
+    if num_processes > 1 and per_process % cfg.group_size:
+        raise UserError(
+            f"--pairwise_reward judges each group's images on the process that drew them, but with "
+            f"{num_processes} processes a group of --group_size {cfg.group_size} spans two of them (--sample_batch_size "
+            f"{cfg.sample_batch_size} x --sample_num_batches_per_epoch {cfg.sample_num_batches_per_epoch} = "
+            f"{per_process} images per process): make that a multiple of --group_size."
+        )
 
 
 def group_sizes(cfg: GroupConfig, num_processes: int) -> dict[str, int]:
@@ -115,3 +142,21 @@ def grouped_prompts(
         ]
         noise = torch.cat([group_noise[g] for g in group_ids[mine].tolist()])
     return (lambda: next(local)), group_ids[mine], noise
+
+
+def grouped_advantages(
+    cfg: GroupConfig, rewards: torch.Tensor, groups: torch.Tensor, parts: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The advantages (M,) of the finite gathered rewards (M,) and their groups: --reward_aggregation sum normalises
+    the weighted sum within its group (refl_ddpo.algorithms.policy.group_advantages); gdpo each part of --reward
+    (`parts`, by name; the total for a reward of one part) apart (refl_ddpo.algorithms.multi_reward)."""
+    from refl_ddpo.algorithms.multi_reward import gdpo_advantages
+    from refl_ddpo.algorithms.policy import group_advantages
+    from refl_ddpo.rewards import parse_reward_spec
+
+    if cfg.reward_aggregation == "sum":
+        return group_advantages(rewards, groups, cfg.global_std, cfg.train_adv_clip_max, cfg.std_floor)
+    named = parse_reward_spec(cfg.reward)
+    matrix = torch.stack([parts.get(name, rewards) for name, _ in named])  # (K, M)
+    weights = torch.tensor([w for _, w in named], dtype=torch.float64)
+    return gdpo_advantages(matrix, weights, groups, cfg.train_adv_clip_max)

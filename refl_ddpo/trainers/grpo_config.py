@@ -3,17 +3,19 @@ and FLUX.1-dev recipes (and its Fast window), DanceGRPO's FLUX.1-dev recipe and 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.rewards.pairwise import parse_pairwise_spec
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS, PPOPart
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.flux2_presets import FLUX2_GRPO_PRESETS
-from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, group_sizes
+from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, check_pairwise_groups, group_sizes
 
-__all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "group_sizes"]
+__all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "check_pairwise_groups", "group_sizes"]
 
 
 GRPO_PRESETS: dict[str, dict[str, Any]] = {
@@ -318,6 +320,19 @@ class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
         "First step of the window (0 = the first sampler step); None draws it per epoch, uniformly among the "
         "windows that end before the last --train_skip_last_steps steps, the same on every process.",
     )
+    pairwise_reward: str | None = field_(
+        None,
+        "Train on pairwise preferences (Pref-GRPO): each sample's reward is its win rate against the other members "
+        "of its group, judged by this judge: toy_pairwise (the toy world: the right colour wins), or your own "
+        "judge_fn(prompts, images_a, images_b, metadata) -> P(a beats b) in [0, 1] as pkg.module:function. "
+        "--reward is still scored and logged beside it; a group's samples must be on one process.",
+        group="reward and prompts",
+    )
+    pairwise_opponents: int = field_(
+        0,
+        "With --pairwise_reward: compare each sample with this many members of its group, drawn per epoch (0: "
+        "with all of them, group_size - 1; a pair is judged once and counts for both).",
+    )
     per_prompt_stat_tracking: bool = field_(
         False,
         "Not used by GRPO (its advantages are normalised within groups); must stay off.",
@@ -337,6 +352,7 @@ class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
                 "--per_prompt_stat_tracking is DDPO's; GRPO normalises each reward within its group "
                 "(--group_size, --global_std): drop the flag."
             )
+        self._check_pairwise()
         if self.sde_window < 0:
             raise UserError(f"--sde_window must be >= 0 (got {self.sde_window}); 0 = every step stochastic.")
         if self.sde_window:
@@ -356,6 +372,24 @@ class GRPOConfig(GroupConfig, PPOPart, *EPOCH_PARTS):
                 )
         elif self.sde_window_start is not None:
             raise UserError("--sde_window_start needs --sde_window W > 0 (the window's length).")
+
+    def _check_pairwise(self) -> None:
+        """The judge's name, the opponents, no GDPO beside it, and each group on one process."""
+        if self.pairwise_opponents < 0:
+            raise UserError(f"--pairwise_opponents must be >= 0 (got {self.pairwise_opponents}); 0 = all.")
+        if not self.pairwise_reward:
+            if self.pairwise_opponents:
+                raise UserError(
+                    "--pairwise_opponents needs --pairwise_reward JUDGE (whose verdicts it bounds)."
+                )
+            return
+        parse_pairwise_spec(self.pairwise_reward)
+        if self.reward_aggregation == "gdpo":
+            raise UserError(
+                "--reward_aggregation gdpo normalises each reward of --reward apart, but with --pairwise_reward "
+                "the trained reward is the win rate alone: drop one of them."
+            )
+        check_pairwise_groups(self, int(os.environ.get("WORLD_SIZE", "1")))
 
     def trainable_steps(self) -> int:
         return self.sde_window or super().trainable_steps()

@@ -20,14 +20,10 @@ from pathlib import Path
 
 import torch
 
-from refl_ddpo.algorithms.policy import (
-    PerPromptStatTracker,
-    compute_advantages,
-    group_advantages,
-    zero_std_group_fraction,
-)
+from refl_ddpo.algorithms.policy import PerPromptStatTracker, compute_advantages, zero_std_group_fraction
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families import ModelFamily
+from refl_ddpo.rewards.pairwise import build_pairwise
 from refl_ddpo.run.runs import start_run
 from refl_ddpo.run.session import (
     Run,
@@ -55,7 +51,13 @@ from refl_ddpo.trainers.epochs import (
     reward_pool,
     score_epoch,
 )
-from refl_ddpo.trainers.groups import check_group_arithmetic, group_sizes, grouped_prompts
+from refl_ddpo.trainers.groups import (
+    check_group_arithmetic,
+    check_pairwise_groups,
+    group_sizes,
+    grouped_advantages,
+    grouped_prompts,
+)
 from refl_ddpo.trainers.grpo_config import GRPOConfig
 from refl_ddpo.trainers.ppo import NonFiniteGradient, PPOSettings, train_on_samples
 from refl_ddpo.trainers.rollouts import (
@@ -137,18 +139,18 @@ def grpo_plan(run: Run, epoch: int) -> EpochPlan:
 def ddpo_advantages(cfg: DDPOConfig, state: PolicyState, plan: EpochPlan) -> Advantages:
     """Per-prompt running mean / std (--per_prompt_stat_tracking) or the batch's, clipped to +-train_adv_clip_max."""
 
-    def advantages(rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor | None):
+    def advantages(rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor | None, parts: dict):
         return compute_advantages(rewards, prompts, state.stat_tracker, cfg.train_adv_clip_max), {}
 
     return advantages
 
 
 def grpo_advantages(cfg: GRPOConfig, state: PolicyState, plan: EpochPlan) -> Advantages:
-    """(r - the group's mean) / (std + 1e-4), clipped; logged: the share of groups with one reward value and the SDE
-    window's start."""
+    """(r - the group's mean) / (std + 1e-4), clipped, or GDPO's (--reward_aggregation gdpo); logged: the share of
+    groups with one reward value and the SDE window's start."""
 
-    def advantages(rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor | None):
-        result = group_advantages(rewards, groups, cfg.global_std, cfg.train_adv_clip_max, cfg.std_floor)
+    def advantages(rewards: torch.Tensor, prompts: list[str], groups: torch.Tensor | None, parts: dict):
+        result = grouped_advantages(cfg, rewards, groups, parts)
         stats = {"grpo/zero_std_groups": zero_std_group_fraction(rewards, groups)}
         if plan.window is not None:
             stats["grpo/sde_window_start"] = plan.window[0]
@@ -169,14 +171,20 @@ class Setting:
     check_processes: Callable[[DDPOConfig, int], None]
 
 
+def check_grpo_processes(cfg: GRPOConfig, num_processes: int) -> None:
+    """The config's group checks read WORLD_SIZE; a launcher that does not set it is caught here."""
+    check_group_arithmetic(cfg, num_processes)
+    if cfg.pairwise_reward:
+        check_pairwise_groups(cfg, num_processes)
+
+
 DDPO = Setting("ddpo", ddpo_plan, ddpo_advantages, epoch_sizes, lambda cfg, num_processes: None)
 GRPO = Setting(
     "grpo",
     grpo_plan,
     grpo_advantages,
     lambda cfg, n: {**epoch_sizes(cfg, n), **group_sizes(cfg, n)},
-    # the config's check read WORLD_SIZE; a launcher that does not set it is caught here
-    check_group_arithmetic,
+    check_grpo_processes,
 )
 
 
@@ -213,6 +221,8 @@ def set_up(cfg: DDPOConfig, algo: Setting) -> tuple[Run, Policy, tuple[dict, dic
     run = load_run(cfg, info, accelerator, algo.name, "epoch")
     scheduler = policy_scheduler(run)
     build_epoch_reward(run)
+    if isinstance(cfg, GRPOConfig) and cfg.pairwise_reward:
+        run.judge = build_pairwise(cfg.pairwise_reward, accelerator.device, run.dtype, cfg.reward_model_dir)
     uncond = run.family.empty_cond()  # batch 1
     add_optimizer(run)
     prepare(run)
@@ -226,6 +236,32 @@ def preflight(cfg: DDPOConfig) -> Path | None:
 
 
 # ---- the loop's small parts ----
+
+
+def judge_groups(run: Run, plan: EpochPlan, batches: list, epoch: int) -> torch.Tensor | None:
+    """--pairwise_reward: this process' samples' win rates (N,) within their groups (each group on this process;
+    the opponents drawn from a stream seeded by (seed, epoch, process)), or None without a judge."""
+    if run.judge is None:
+        return None
+    from refl_ddpo.rewards.pairwise import group_win_rates
+
+    cfg = run.cfg
+    images = torch.cat([b.images for b in batches])
+    prompts = [p for b in batches for p in b.prompts]
+    metadata = [m for b in batches for m in b.prompt_metadata]
+    generator = seeded_generator(cfg.seed, epoch, run.rank, 6)
+    with torch.no_grad():
+        wins = group_win_rates(
+            run.judge,
+            images,
+            prompts,
+            metadata,
+            plan.groups,
+            cfg.pairwise_opponents,
+            generator,
+            cfg.sample_batch_size,
+        )
+    return wins.float()
 
 
 @contextmanager
@@ -293,8 +329,9 @@ def train(cfg: DDPOConfig | GRPOConfig, image_samples_hook: ImageSamplesHook | N
                     sampler, sampling, plan, run.reward, generator, executor, lambda _: bar.update(1)
                 )
             collect_rewards(batches)
-            # ---- rewards and advantages, over all processes; the epoch's line and images ----
-            scored = score_epoch(run, epoch, batches, algo.advantages(cfg, state, plan), plan.groups)
+            # ---- rewards (and win rates) and advantages, over all processes; the epoch's line and images ----
+            wins = judge_groups(run, plan, batches, epoch)
+            scored = score_epoch(run, epoch, batches, algo.advantages(cfg, state, plan), plan.groups, wins)
             report_epoch(run, epoch, counters, scored, image_samples_hook)
             # ---- training: --train_num_inner_epochs passes of PPO over the epoch's samples ----
             samples = stack_samples(scored.batches, scored.advantages)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refl_ddpo.algorithms.policy import ppo_clip_loss
+from refl_ddpo.algorithms.policy import clipped_surrogate, ratio_norm
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families import Cond, cond_expand
 from refl_ddpo.run.zero import unwrap
@@ -25,7 +25,7 @@ class PPOSettings:
     timesteps come from), `guidance_scale` and `eta` as in sampling; micro-batches of `batch_size`; the first
     `num_train_steps` of each sample's shuffled steps trained; PPO's `clip_range`; `kl_weight` x the KL to the base
     model; gradients clipped to `max_grad_norm` (0: not clipped); the last `skip_last_steps` sampler steps never
-    trained on."""
+    trained on; `ratio_norm`: PPO clips GRPO-Guard's normalised ratio (the samples then hold `step_means`)."""
 
     num_steps: int
     guidance_scale: float
@@ -36,6 +36,7 @@ class PPOSettings:
     kl_weight: float = 0.0
     max_grad_norm: float = 0.0
     skip_last_steps: int = 0
+    ratio_norm: bool = False
 
     @classmethod
     def from_config(cls, cfg: DDPOConfig, window: tuple[int, int] | None = None) -> PPOSettings:
@@ -51,6 +52,7 @@ class PPOSettings:
             kl_weight=cfg.kl_weight,
             max_grad_norm=cfg.max_grad_norm,
             skip_last_steps=0 if window is not None else cfg.train_skip_last_steps,
+            ratio_norm=cfg.ratio_norm,
         )
 
 
@@ -59,19 +61,26 @@ def ppo_step_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """PPO-clip's loss at the j-th trained step of a micro-batch (plus `kl_weight` x the step's KL to `base`, the
     unwrapped network with its LoRA switched off); `policy.uncond` is the micro-batch's (or None: no CFG). Returns
-    (loss, metrics, log-probability (B,) under the current weights, the step's values that a non-finite gradient is
-    traced to (B, len(TRACED)), detached)."""
+    (loss, metrics, the log importance ratio (B,) PPO clipped, the step's values that a non-finite gradient is traced
+    to (B, len(TRACED)), detached)."""
     from refl_ddpo.core.lora import adapters_off
 
     family, scheduler, uncond, network = policy.family, policy.scheduler, policy.uncond, policy.network
     guidance_scale, eta = settings.guidance_scale, settings.eta
     x_t, t = batch["latents"][:, j], batch["timesteps"][:, j]  # (B, C, h, w), (B,): one timestep per sample
+    old_log_prob = batch["log_probs"][:, j]
     # the stored next latent's log-probability under the current weights (the scheduler is set to the run's steps)
     model_output = family.predict(x_t, t, scheduler, cond, uncond, guidance_scale, network)
     _, log_prob, _ = family.step_with_logprob(
         scheduler, model_output, t, x_t, eta, prev_sample=batch["next_latents"][:, j]
     )
-    loss, info = ppo_clip_loss(log_prob, batch["log_probs"][:, j], batch["advantages"], settings.clip_range)
+    log_ratio = log_prob - old_log_prob
+    if settings.ratio_norm:
+        mean, std = family.step_mean(scheduler, model_output, t, x_t, eta)
+        log_ratio = ratio_norm(log_prob, old_log_prob, mean, batch["step_means"][:, j], std)
+    loss, info = clipped_surrogate(log_ratio, batch["advantages"], settings.clip_range)
+    if settings.ratio_norm:
+        info["ratio_raw"] = torch.exp(log_prob.detach() - old_log_prob).mean()  # the left-shifted ratio
     kl = torch.zeros_like(log_prob)
     if settings.kl_weight > 0:
         with adapters_off(base):
@@ -82,8 +91,8 @@ def ppo_step_loss(
         loss = loss + settings.kl_weight * kl_mean
     # in TRACED's order; the network's output as its largest |value| per sample (NaN or inf where any element is)
     biggest = model_output.detach().float().abs().amax(dim=tuple(range(1, model_output.ndim)))
-    traced = [batch["advantages"], batch["log_probs"][:, j], biggest, log_prob.detach(), kl.detach()]
-    return loss, info, log_prob, torch.stack([v.float().to(log_prob.device) for v in traced], dim=1)
+    traced = [batch["advantages"], old_log_prob, biggest, log_prob.detach(), kl.detach()]
+    return loss, info, log_ratio.detach(), torch.stack([v.float().to(log_prob.device) for v in traced], dim=1)
 
 
 # A non-finite log-probability of a finite network output: the step's Gaussian has no finite density there.
@@ -169,16 +178,12 @@ def nonfinite_gradient(
 
 
 def count_ratios(
-    step_ratios: torch.Tensor,
-    schedule: torch.Tensor,
-    t: torch.Tensor,
-    log_prob: torch.Tensor,
-    old: torch.Tensor,
+    step_ratios: torch.Tensor, schedule: torch.Tensor, t: torch.Tensor, log_ratio: torch.Tensor
 ) -> None:
-    """Add a micro-step's importance ratios exp(log_prob - old) (B,) to `step_ratios` (2, steps): summed ratios and
+    """Add a micro-step's importance ratios exp(log_ratio) (B,) to `step_ratios` (2, steps): summed ratios and
     sample counts at each sample's sampler step (0 = the first: its timestep t's place in the schedule)."""
     step = (t[:, None] == schedule[None]).int().argmax(1).to(step_ratios.device)
-    ratio = torch.exp(log_prob.detach() - old).to(step_ratios)  # (B,)
+    ratio = torch.exp(log_ratio.detach()).to(step_ratios)  # (B,)
     step_ratios[0].index_add_(0, step, ratio)
     step_ratios[1].index_add_(0, step, torch.ones_like(ratio))
 
@@ -240,15 +245,13 @@ def train_on_samples(
         for j in range(settings.num_train_steps):
             with accelerator.accumulate(network):
                 with accelerator.autocast():
-                    loss, info, log_prob, values = ppo_step_loss(policy, settings, base, batch, j, cond)
+                    loss, info, log_ratio, values = ppo_step_loss(policy, settings, base, batch, j, cond)
                 traced.append(values)
                 traced_t.append(batch["timesteps"][:, j])
                 info["loss"] = loss.detach()
                 for k, v in info.items():
                     acc[k].append(v)
-                count_ratios(
-                    step_ratios, schedule, batch["timesteps"][:, j], log_prob, batch["log_probs"][:, j]
-                )
+                count_ratios(step_ratios, schedule, batch["timesteps"][:, j], log_ratio)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     # the all-reduced norm, the same on every process (clipping by inf multiplies by exactly 1)

@@ -17,10 +17,11 @@ from refl_ddpo.rewards import Reward
 
 if TYPE_CHECKING:
     from refl_ddpo.run.session import Run
-    from refl_ddpo.trainers.ddpo_config import EpochConfig
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
     from refl_ddpo.trainers.epochs import EpochPlan
 
-STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs")  # (N, S, ...) per sample and step
+# (N, S, ...) per sample and step; step_means only with --ratio_norm (SampleSettings.keep_step_means)
+STEP_KEYS = ("timesteps", "latents", "next_latents", "log_probs", "step_means")
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SampleBatch:
     log_probs: torch.Tensor  # (B, S)
     images: torch.Tensor  # (B, 3, H, W) in [0, 1]
     rewards: Future | tuple[torch.Tensor, dict]
+    step_means: torch.Tensor | None = None  # (B, S, C, h, w): the sampling weights' step means, or None
 
 
 def _score(reward: Reward, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
@@ -60,7 +62,8 @@ class Policy:
 @dataclass(frozen=True)
 class SampleSettings:
     """How an epoch samples, per process: `num_batches` batches of `batch_size` images at `resolution`, `num_steps`
-    sampler steps with CFG scale `guidance_scale` and step noise `eta` (the --sample_* flags)."""
+    sampler steps with CFG scale `guidance_scale` and step noise `eta` (the --sample_* flags); `keep_step_means`
+    keeps each step's Gaussian mean in the trajectory (--ratio_norm)."""
 
     batch_size: int
     num_batches: int
@@ -68,9 +71,10 @@ class SampleSettings:
     guidance_scale: float
     eta: float
     resolution: int
+    keep_step_means: bool = False
 
     @classmethod
-    def from_config(cls, cfg: EpochConfig) -> SampleSettings:
+    def from_config(cls, cfg: DDPOConfig) -> SampleSettings:
         """The --sample_* fields and the resolved --resolution."""
         return cls(
             batch_size=cfg.sample_batch_size,
@@ -79,6 +83,7 @@ class SampleSettings:
             guidance_scale=cfg.sample_guidance_scale,
             eta=cfg.sample_eta,
             resolution=cfg.resolution,
+            keep_step_means=cfg.ratio_norm,
         )
 
 
@@ -129,6 +134,7 @@ def sample_epoch(
                     keep_trajectory=True,
                     network=policy.network,
                     sde_steps=None if plan.window is None else range(*window.indices(num_steps)),
+                    keep_step_means=settings.keep_step_means,
                 )
                 images = family.decode(out.latents)
             trajectory = torch.stack(out.all_latents, dim=1)  # (B, S + 1, C, h, w)
@@ -148,6 +154,7 @@ def sample_epoch(
                     log_probs=torch.stack(out.log_probs, dim=1)[:, window],
                     images=images,
                     rewards=rewards,
+                    step_means=torch.stack(out.step_means, dim=1)[:, window] if out.step_means else None,
                 )
             )
             if on_batch is not None:
@@ -241,7 +248,11 @@ def collect_rewards(batches: list) -> None:
 def stack_samples(batches: list[SampleBatch], advantages: torch.Tensor) -> dict[str, torch.Tensor]:
     """The training tensors of an epoch, batches concatenated: N = batches x batch size samples per process; the
     conditioning tensors under their own names."""
-    samples = {key: torch.cat([getattr(b, key) for b in batches]) for key in STEP_KEYS}
+    samples = {
+        key: torch.cat([getattr(b, key) for b in batches])
+        for key in STEP_KEYS
+        if getattr(batches[0], key) is not None
+    }
     samples.update(cond_cat([b.cond for b in batches]))
     samples["advantages"] = advantages.to(samples["log_probs"].device)
     return samples
@@ -268,8 +279,9 @@ def shuffle_samples(
     )  # (N, S)
     rows = torch.arange(n)[:, None]
     for key in STEP_KEYS:
-        v = out[key]
-        out[key] = v[rows.to(v.device), time_perm.to(v.device)]
+        if key in out:
+            v = out[key]
+            out[key] = v[rows.to(v.device), time_perm.to(v.device)]
     return out
 
 

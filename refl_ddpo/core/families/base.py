@@ -277,6 +277,13 @@ class ModelFamily(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stochastic step of the policy-gradient trainers: (next latents, log-prob (B,), predicted x0)."""
 
+    @abstractmethod
+    def step_mean(
+        self, scheduler, model_output, timestep, latents, eta: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gaussian of `step_with_logprob` from `latents`: (its mean (B, ...), its std (B,)), float32; the std
+        is 0 on a deterministic step. GRPO-Guard's RatioNorm (--ratio_norm) needs both."""
+
     def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
         """The forward process q(x_t | x0) at `timestep` (a value of `scheduler.timesteps`) with this `noise`:
         sqrt(a_t) x0 + sqrt(1 - a_t) noise (the scheduler's `add_noise`) for DDIM / DDPM."""

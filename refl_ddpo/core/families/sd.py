@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 
 from refl_ddpo.core.families.base import Cond, ModelFamily, cfg_combine, cfg_inputs
-from refl_ddpo.core.steps.ddim import ddim_step_kl, ddim_step_with_logprob_and_x0
+from refl_ddpo.core.steps.ddim import ddim_step_kl, ddim_step_mean, ddim_step_with_logprob_and_x0
 
 
 class StableDiffusion(ModelFamily):
@@ -68,6 +68,10 @@ class StableDiffusion(ModelFamily):
         return ddim_step_with_logprob_and_x0(
             scheduler, model_output, timestep, latents, eta=eta, generator=generator, prev_sample=prev_sample
         )
+
+    def step_mean(self, scheduler, model_output, timestep, latents, eta: float):
+        mean, std, _ = ddim_step_mean(scheduler, model_output, timestep, latents, eta)
+        return mean.float(), std.reshape(-1).expand(latents.shape[0]).float()
 
     def step_kl(self, scheduler, model_output, ref_model_output, timesteps, eta: float) -> torch.Tensor:
         return ddim_step_kl(scheduler, model_output, ref_model_output, timesteps, eta)

@@ -17,6 +17,7 @@ from refl_ddpo.core.steps.flow_sde import (
     flow_euler_step,
     flow_pred_x0,
     flow_sde_step_kl,
+    flow_sde_step_mean,
     flow_sde_step_with_logprob,
     step_sigmas,
 )
@@ -129,6 +130,10 @@ class StableDiffusion3(ModelFamily):
             scheduler, model_output, timestep, latents, eta, generator, prev_sample
         )
         return prev, log_prob, flow_pred_x0(scheduler, model_output, timestep, latents)
+
+    def step_mean(self, scheduler, model_output, timestep, latents, eta: float):
+        mean, std, _ = flow_sde_step_mean(scheduler, model_output, timestep, latents, eta)
+        return mean, std.reshape(-1)
 
     def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
         """The flow-matching forward process at `timestep`'s sigma: (1 - sigma) x0 + sigma noise."""

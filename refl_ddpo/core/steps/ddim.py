@@ -61,16 +61,16 @@ def step_alphas(
     return a_t, a_prev, (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)
 
 
-def ddim_step_with_logprob_and_x0(
+def ddim_step_mean(
     scheduler,
     model_output: torch.Tensor,
     timestep: int | torch.Tensor,
     sample: torch.Tensor,
     eta: float = 1.0,
-    generator: torch.Generator | list[torch.Generator] | None = None,
-    prev_sample: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`ddim_step_with_logprob` that also returns the predicted x0 (the shared loop uses it)."""
+    """The Gaussian of the DDIM step from x_t = `sample` (see the module doc): (mean mu (B, ...), std = eta * s
+    broadcastable to it (B, 1, 1, 1) or [], float32, and the predicted x0), in the model output's dtype where
+    `sample` and `model_output` are."""
     if scheduler.config.prediction_type != "epsilon":
         raise ValueError(
             f"ddim_step_with_logprob supports prediction_type='epsilon', not "
@@ -87,7 +87,22 @@ def ddim_step_with_logprob_and_x0(
         pred_original_sample = pred_original_sample.clamp(-r, r)
     direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** 0.5 * model_output
     prev_sample_mean = alpha_prod_t_prev**0.5 * pred_original_sample + direction
+    return prev_sample_mean, std_dev_t, pred_original_sample
 
+
+def ddim_step_with_logprob_and_x0(
+    scheduler,
+    model_output: torch.Tensor,
+    timestep: int | torch.Tensor,
+    sample: torch.Tensor,
+    eta: float = 1.0,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ddim_step_with_logprob` that also returns the predicted x0 (the shared loop uses it)."""
+    prev_sample_mean, std_dev_t, pred_original_sample = ddim_step_mean(
+        scheduler, model_output, timestep, sample, eta
+    )
     if prev_sample is None:
         noise = step_noise(model_output.shape, generator, model_output.device, model_output.dtype)
         prev_sample = prev_sample_mean + std_dev_t * noise

@@ -70,6 +70,24 @@ def flow_euler_step(
     return prev_sample.to(model_output.dtype), flow_pred_x0(scheduler, model_output, timestep, sample)
 
 
+def flow_sde_step_mean(
+    scheduler,
+    model_output: torch.Tensor,
+    timestep: float | torch.Tensor,
+    sample: torch.Tensor,
+    noise_level: float = 0.7,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Gaussian of the SDE step from x_sigma = `sample` (see the module doc), in float32: (mean (B, ...), the
+    step's std std_dev_t * sqrt(-dt) broadcastable to it (B, 1, 1, 1), std_dev_t (B,))."""
+    sigma, sigma_next, sigma_max = step_sigmas(scheduler, timestep, sample.shape[0])
+    std_dev_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))  # (B,)
+    x, v = sample.float(), model_output.float()
+    s, dt, std = _per_sample(sigma, x), _per_sample(sigma_next - sigma, x), _per_sample(std_dev_t, x)
+
+    prev_sample_mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+    return prev_sample_mean, std * torch.sqrt(-dt), std_dev_t
+
+
 def flow_sde_step_with_logprob(
     scheduler,
     model_output: torch.Tensor,
@@ -88,13 +106,10 @@ def flow_sde_step_with_logprob(
     Returns (prev_sample (B, ...), log_prob (B,) averaged over the non-batch dims, prev_sample_mean (B, ...),
     std_dev_t (B,), the std before the sqrt(-dt) factor).
     """
-    sigma, sigma_next, sigma_max = step_sigmas(scheduler, timestep, sample.shape[0])
-    std_dev_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))  # (B,)
-    x, v = sample.float(), model_output.float()
-    s, dt, std = _per_sample(sigma, x), _per_sample(sigma_next - sigma, x), _per_sample(std_dev_t, x)
-
-    prev_sample_mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
-    noise_std = std * torch.sqrt(-dt)  # the std of the step's Gaussian
+    prev_sample_mean, noise_std, std_dev_t = flow_sde_step_mean(
+        scheduler, model_output, timestep, sample, noise_level
+    )
+    x = sample.float()
     if prev_sample is None:
         noise = step_noise(x.shape, generator, x.device, torch.float32)
         prev_sample = prev_sample_mean + noise_std * noise
