@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.prompts import check_prompt_source, load_prompts
-from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.rewards import VLM_SERVER_REWARDS, parse_reward_spec
 from refl_ddpo.run.config import SHARED_PARTS, check_shared
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
@@ -123,7 +123,7 @@ class EpochConfig:
         for name, _ in parse_reward_spec(
             self.reward
         ):  # unknown names and bad weights fail here, before loading
-            if name in ("vlm_judge", "vlm_bertscore") and not os.environ.get("OPENAI_BASE_URL"):
+            if name in VLM_SERVER_REWARDS and not os.environ.get("OPENAI_BASE_URL"):
                 via = f" (from --preset {self.preset})" if self.preset else ""
                 raise UserError(
                     f"--reward {self.reward}{via} asks a VLM on an OpenAI-compatible server: set "

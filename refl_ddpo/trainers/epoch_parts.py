@@ -29,7 +29,8 @@ class RecipePart:
     reward: str = field_(
         "jpeg_compressibility",
         "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
-        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server); "
+        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, unifiedreward, vlm_yesno, geneval2, "
+        "ocr[:URL], geneval:URL for GenEval's server, remote:URL for a reward server); "
         "your own reward_fn(images, prompts, metadata) -> (rewards, info) as pkg.module:function.",
         group="reward and prompts",
     )
@@ -117,13 +118,14 @@ class RewardsPart:
     )
     vlm_model: str | None = field_(
         None,
-        "Model that vlm_judge / vlm_bertscore ask on their OpenAI-compatible server; default: the first of its "
-        "/v1/models.",
+        "Model that the VLM rewards (vlm_judge, vlm_bertscore, unifiedreward, vlm_yesno, geneval2, ocr:URL) ask on "
+        "their OpenAI-compatible server; default: the first of its /v1/models.",
     )
     vlm_question: str | None = field_(
         None,
-        "Question vlm_judge / vlm_bertscore ask about each image ({prompt} is replaced by the prompt); default: "
-        "'Does this image show {prompt}? Answer yes or no.' / 'Describe this image in one sentence.'",
+        "Question vlm_judge / vlm_bertscore / unifiedreward / vlm_yesno ask about each image ({prompt} is replaced by "
+        "the prompt); default: each reward's own (docs/rewards.md), e.g. vlm_judge's 'Does this image show {prompt}? "
+        "Answer yes or no.'",
     )
     async_reward_computation: bool = field_(
         False, "Compute rewards in a thread pool while sampling continues."
