@@ -69,18 +69,9 @@ def load_plain(data: bytes, where: str):
     try:
         obj = PlainDataUnpickler(io.BytesIO(data)).load()
         _check_plain(obj)
-    except (
-        pickle.UnpicklingError,
-        EOFError,
-        ValueError,
-        TypeError,
-        IndexError,
-        KeyError,
-        OverflowError,
-    ) as e:
-        raise UserError(
-            f"{where} answered a pickle that was refused ({str(e).splitlines()[0][:160]})."
-        ) from None
+    except Exception as e:  # noqa: BLE001 (malformed pickles raise many kinds; each is a refusal)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise UserError(f"{where} answered a pickle that was refused ({why}).") from None
     return obj
 
 
