@@ -15,25 +15,17 @@ server asked to transcribe the text (the one client: refl_ddpo.rewards.vlm_clien
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import torch
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.prompts import quoted_text
 from refl_ddpo.rewards.vlm_client import VLM, answer_text
 
 READ_QUESTION = (
     "Transcribe all the text written in this image, exactly as written. Answer with the text only, or with "
     "nothing if the image has no text."
 )
-QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
-
-
-def quoted_text(prompt: str) -> str | None:
-    """The text inside the prompt's first pair of double quotes (straight or curly), or None."""
-    match = QUOTED.search(prompt)
-    return None if match is None else next(g for g in match.groups() if g is not None)
 
 
 def edit_distance(a: str, b: str) -> int:

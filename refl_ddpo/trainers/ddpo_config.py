@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.prompts import check_prompt_source, load_prompts
+from refl_ddpo.core.prompts import FILE_SOURCES, check_prompt_source, load_prompts
 from refl_ddpo.rewards import VLM_SERVER_REWARDS, parse_reward_spec
 from refl_ddpo.run.config import SHARED_PARTS, check_shared
 from refl_ddpo.run.parts import field_
@@ -130,12 +130,12 @@ class EpochConfig:
                     f"OPENAI_BASE_URL=http://HOST:PORT/v1 (vLLM, sglang, ...) or write --reward {name}:URL."
                 )
         if self.prompt_fn != "from_file":
-            check_prompt_source(self.prompt_fn)
+            check_prompt_source(self.prompt_fn, self.prompts_file)  # a file source reads it
         if self.prompt_fn == "from_file":
             if not self.prompts_file:
                 raise UserError("--prompt_fn from_file needs --prompts_file PATH (one prompt per line).")
             load_prompts(self.prompts_file)
-        elif self.prompts_file:
+        elif self.prompts_file and self.prompt_fn not in FILE_SOURCES:
             raise UserError(
                 f"--prompt_fn {self.prompt_fn} and --prompts_file both name the prompts: drop one "
                 "(a prompts file alone means --prompt_fn from_file)."

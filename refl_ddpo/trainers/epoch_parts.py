@@ -39,7 +39,9 @@ class RecipePart:
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
         "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green / toy_world_cyan (its 2 "
         "training prompts of one colour word), toy_world_cyan_anchored (cyan's 2 and 2 magenta prompts the toy-sd3 "
-        "base draws right), from_file (--prompts_file), or your own prompt_fn() -> (prompt, "
+        "base draws right), from_file (--prompts_file), geneval_file / ocr_file (with --prompts_file: flow_grpo's "
+        "GenEval metadata JSONL, each line the prompt's metadata / its OCR prompts, the quoted text as metadata "
+        "ocr_text), or your own prompt_fn() -> (prompt, "
         "metadata) as pkg.module:function (given an `rng` keyword if it takes one: a random.Random seeded per "
         "epoch, the same on every process); default from_file when --prompts_file is given, else imagenet_animals.",
         fill=default_prompt_fn,
