@@ -128,6 +128,10 @@ def test_paddle_answers_parsed_and_its_absence_is_one_line(monkeypatch):
     with pytest.raises(UserError) as e:
         build_reward("ocr", "cpu")
     assert "\n" not in str(e.value) and "pip install paddleocr" in str(e.value) and "ocr:http" in str(e.value)
+    from refl_ddpo.trainers.ddpo_config import parse_ddpo_config
+
+    with pytest.raises(UserError, match="pip install paddleocr"):  # before any model loads
+        parse_ddpo_config(["--reward", "ocr", "--pretrained_model", "none"])
 
 
 def test_a_prompt_without_quoted_text_is_one_line(drawn):

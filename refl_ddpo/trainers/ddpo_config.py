@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -128,6 +129,11 @@ class EpochConfig:
                 raise UserError(
                     f"--reward {self.reward}{via} asks a VLM on an OpenAI-compatible server: set "
                     f"OPENAI_BASE_URL=http://HOST:PORT/v1 (vLLM, sglang, ...) or write --reward {name}:URL."
+                )
+            if name == "ocr" and importlib.util.find_spec("paddleocr") is None:
+                raise UserError(
+                    "--reward ocr reads with PaddleOCR, which is not installed: `pip install paddleocr "
+                    "paddlepaddle` (an optional extra), or let a VLM read the text: --reward ocr:http://HOST:PORT/v1."
                 )
         if self.prompt_fn != "from_file":
             check_prompt_source(self.prompt_fn, self.prompts_file)  # a file source reads it
