@@ -3,6 +3,13 @@
 A prompts file is one prompt per line (blank lines and lines starting with '#' skipped), or a JSON list of strings or
 of objects with a "prompt" or "text" field (ImageReward's ReFL data uses "text"); other fields of an object travel
 as the prompt's metadata.
+
+Two sources read a file of flow_grpo's formats (`--prompt_fn NAME --prompts_file F`, FILE_SOURCES):
+    geneval_file   GenEval's metadata JSONL (flow_grpo's dataset/geneval/*_metadata.jsonl, GenEval 2's data): one
+                   JSON object per line with a "prompt"; the whole line (its tag, include / exclude lists, vqa_list,
+                   prompt) is the prompt's metadata, as GenEval's server and geneval2 read it.
+    ocr_file       flow_grpo's OCR prompts (dataset/ocr/*.txt): one prompt per line, the text to render in double
+                   quotes; that text is the metadata's "ocr_text".
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +26,7 @@ from refl_ddpo.core.user_code import import_ref, split_ref
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 PromptFn = Callable[[], tuple[str, dict]]
+QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 
 
 def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
@@ -54,6 +63,81 @@ def load_prompts(path: str | Path) -> list[tuple[str, dict]]:
     if not out:
         raise UserError(f"--prompts_file {path} holds no prompts; write one prompt per line.")
     return out
+
+
+def quoted_text(prompt: str) -> str | None:
+    """The text inside the prompt's first pair of double quotes (straight or curly), or None."""
+    match = QUOTED.search(prompt)
+    return None if match is None else next(g for g in match.groups() if g is not None)
+
+
+def _clause_ok(clause) -> bool:
+    return (
+        isinstance(clause, dict)
+        and isinstance(clause.get("class"), str)
+        and isinstance(clause.get("count"), int)
+    )
+
+
+def _geneval_line(line: str, where: str) -> tuple[str, dict]:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e}); GenEval's metadata is one JSON object per line.") from None
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+        raise UserError(f"{where}: not a JSON object with a 'prompt' string (GenEval's metadata JSONL).")
+    for key in ("include", "exclude"):
+        if key in item and not (isinstance(item[key], list) and all(map(_clause_ok, item[key]))):
+            raise UserError(
+                f"{where}: '{key}' must be a list of {{'class': str, 'count': int, ...}} objects."
+            )
+    return item["prompt"], item
+
+
+def load_geneval_jsonl(path: str | Path) -> list[tuple[str, dict]]:
+    """GenEval's metadata JSONL -> [(prompt, the whole line as metadata)]; one-line errors naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--prompts_file {path}: no such file (GenEval's metadata JSONL).")
+    lines = read_utf8(path, f"--prompts_file {path}").splitlines()
+    out = [
+        _geneval_line(line, f"--prompts_file {path} line {i}")
+        for i, line in enumerate(lines, 1)
+        if line.strip()
+    ]
+    if not out:
+        raise UserError(f"--prompts_file {path} holds no prompts (GenEval's metadata JSONL).")
+    return out
+
+
+def load_ocr_prompts(path: str | Path) -> list[tuple[str, dict]]:
+    """flow_grpo's OCR prompts -> [(prompt, {"ocr_text": the quoted text})]; a prompt without one is refused."""
+    out = []
+    for prompt, metadata in load_prompts(path):
+        target = quoted_text(prompt)
+        if not target or not target.strip():
+            raise UserError(
+                f"--prompts_file {path}: the prompt {prompt[:60]!r} has no text in double quotes to render "
+                '(flow_grpo\'s OCR prompts: ... a sign that reads "Open" ...).'
+            )
+        out.append((prompt, {**metadata, "ocr_text": target}))
+    return out
+
+
+FILE_SOURCES: dict[str, Callable[[str | Path], list[tuple[str, dict]]]] = {
+    "geneval_file": load_geneval_jsonl,
+    "ocr_file": load_ocr_prompts,
+}
+
+
+def _draw_from(prompts: list[tuple[str, dict]], seed: int | None) -> PromptFn:
+    rng = random.Random(seed)
+
+    def prompt_fn() -> tuple[str, dict]:
+        prompt, metadata = rng.choice(prompts)
+        return prompt, dict(metadata)
+
+    return prompt_fn
 
 
 def from_file(path: str | Path, seed: int | None = None) -> PromptFn:
@@ -137,14 +221,21 @@ def _is_user_ref(name: str) -> bool:
     return name not in PROMPT_SOURCES and split_ref(name) is not None and not Path(name).exists()
 
 
-def check_prompt_source(name: str) -> None:
-    """A shipped source's name or the user's importable 'pkg.module:function'; else one line with the choices."""
-    if _is_user_ref(name):
+def check_prompt_source(name: str, prompts_file: str | None = None) -> None:
+    """A shipped source's name (a file source's with its readable `prompts_file`) or the user's importable
+    'pkg.module:function'; else one line with the choices."""
+    if name in FILE_SOURCES:
+        if not prompts_file:
+            raise UserError(
+                f"--prompt_fn {name} reads --prompts_file F (flow_grpo's format); pass it (DDPO, GRPO, NFT, AWM)."
+            )
+        FILE_SOURCES[name](prompts_file)
+    elif _is_user_ref(name):
         user_prompt_source(name)
     elif name not in PROMPT_SOURCES:
         raise UserError(
-            f"--prompt_fn {name}: unknown prompt source; choose from {', '.join(PROMPT_SOURCES)}, from_file "
-            "(with --prompts_file) or your own function as pkg.module:function."
+            f"--prompt_fn {name}: unknown prompt source; choose from {', '.join(PROMPT_SOURCES)}, from_file, "
+            f"{', '.join(FILE_SOURCES)} (with --prompts_file) or your own function as pkg.module:function."
         )
 
 
@@ -158,6 +249,13 @@ def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
     if Path(name_or_path).suffix or "/" in name_or_path or Path(name_or_path).exists():
         return from_file(name_or_path, seed)
     raise UserError(f"prompts '{name_or_path}': neither a file nor one of {', '.join(PROMPT_SOURCES)}.")
+
+
+def epoch_prompt_fn(prompt_fn: str, prompts_file: str | None, seed: int | None = None) -> PromptFn:
+    """The sample-then-train trainers' prompts: --prompt_fn with --prompts_file (from_file or a file source)."""
+    if prompt_fn in FILE_SOURCES:
+        return _draw_from(FILE_SOURCES[prompt_fn](prompts_file), seed)
+    return get_prompt_fn(prompts_file if prompt_fn == "from_file" else prompt_fn, seed)
 
 
 class PromptDraw:

@@ -47,6 +47,9 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "imagereward": ("refl_ddpo.rewards.imagereward", "imagereward", True),
     "jpeg_compressibility": ("refl_ddpo.rewards.jpeg", "jpeg_compressibility", False),
     "jpeg_incompressibility": ("refl_ddpo.rewards.jpeg", "jpeg_incompressibility", False),
+    "geneval": ("refl_ddpo.rewards.geneval", "geneval", False),
+    "geneval2": ("refl_ddpo.rewards.vlm_scores", "geneval2", False),
+    "ocr": ("refl_ddpo.rewards.ocr", "ocr", False),
     "pickscore": ("refl_ddpo.rewards.clip", "pickscore", True),
     "remote": ("refl_ddpo.rewards.remote", "remote", False),
     "toy_classifier": ("refl_ddpo.rewards.toy", "toy_classifier", True),
@@ -55,15 +58,19 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "toy_color_clean": ("refl_ddpo.rewards.toy", "toy_color_clean", False),
     "toy_palette_clean": ("refl_ddpo.rewards.toy", "toy_palette_clean", True),
     "toy_judge": ("refl_ddpo.rewards.toy", "toy_judge", False),
+    "unifiedreward": ("refl_ddpo.rewards.vlm_scores", "unifiedreward", False),
     "vlm_bertscore": ("refl_ddpo.rewards.vlm", "vlm_bertscore", False),
     "vlm_judge": ("refl_ddpo.rewards.vlm", "vlm_judge", False),
+    "vlm_yesno": ("refl_ddpo.rewards.vlm_scores", "vlm_yesno", False),
 }
-# Rewards that take a URL after the name: `remote:URL` (required: the reward server), `vlm_judge:URL` and
-# `vlm_bertscore:URL` (optional: the OpenAI-compatible server; default $OPENAI_BASE_URL). A weight follows the URL
-# after '@' (`remote:http://host:8000@0.5`), since a URL has colons of its own.
-URL_REWARDS: dict[str, bool] = {"remote": True, "vlm_judge": False, "vlm_bertscore": False}
-
-
+# Rewards that take a URL after the name: `remote:URL` and `geneval:URL` (required: the reward server), the VLM
+# rewards (optional: the OpenAI-compatible server; default $OPENAI_BASE_URL) and `ocr:URL` (optional: a VLM reads the
+# text; without a URL PaddleOCR does). A weight follows the URL after '@' (`remote:http://host:8000@0.5`), since a URL
+# has colons of its own.
+VLM_SERVER_REWARDS = ("vlm_judge", "vlm_bertscore", "unifiedreward", "vlm_yesno", "geneval2")
+URL_REWARDS: dict[str, bool] = {"remote": True, "geneval": True, "ocr": False} | dict.fromkeys(
+    VLM_SERVER_REWARDS, False
+)
 # Files a reward reads from --reward_model_dir, checked before any model loads; hub: a hub id may stand for the folder.
 REWARD_FILES: dict[str, tuple[tuple[str, ...], bool, str]] = {
     "imagereward": (
@@ -129,9 +136,13 @@ def _parse_url_part(part: str) -> tuple[str, str]:
     base, _, rest = part.partition(":")
     if not rest.startswith(("http://", "https://")):
         if URL_REWARDS[base]:
+            server = (
+                "GenEval's reward server (yifan123/reward-server, app_geneval.py)"
+                if base == "geneval"
+                else "start one with `python -m refl_ddpo.rewards.serve --reward NAME --port 8000`"
+            )
             raise UserError(
-                f"--reward {part}: {base} needs the server's URL, e.g. {base}:http://127.0.0.1:8000 "
-                "(start one with `python -m refl_ddpo.rewards.serve --reward NAME --port 8000`)."
+                f"--reward {part}: {base} needs the server's URL, e.g. {base}:http://127.0.0.1:8000 ({server})."
             )
         return base, rest
     url, weight = rest, ""

@@ -31,9 +31,11 @@ JudgeFn = Callable[[list[str], "torch.Tensor", "torch.Tensor", list[dict]], "tor
 # name -> (module, factory function)
 PAIRWISE: dict[str, tuple[str, str]] = {
     "toy_pairwise": ("refl_ddpo.rewards.pairwise", "toy_pairwise"),
+    "vlm_pairwise": ("refl_ddpo.rewards.vlm_scores", "vlm_pairwise"),  # an OpenAI-compatible VLM server
 }
-# Judges that take a server's URL after the name (`name:URL`), passed to the factory as `url`; True: required.
-URL_JUDGES: dict[str, bool] = {}
+# Judges that take a server's URL after the name (`name:URL`), passed to the factory as `url`; True: required
+# (vlm_pairwise without one asks $OPENAI_BASE_URL, as the VLM rewards do).
+URL_JUDGES: dict[str, bool] = {"vlm_pairwise": False}
 
 
 def parse_pairwise_spec(spec: str) -> tuple[str, str | None]:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.prompts import check_prompt_source, load_prompts
-from refl_ddpo.rewards import parse_reward_spec
+from refl_ddpo.core.prompts import FILE_SOURCES, check_prompt_source, load_prompts
+from refl_ddpo.rewards import VLM_SERVER_REWARDS, parse_reward_spec
 from refl_ddpo.run.config import SHARED_PARTS, check_shared
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_presets import DDPO_PRESETS
@@ -123,19 +124,24 @@ class EpochConfig:
         for name, _ in parse_reward_spec(
             self.reward
         ):  # unknown names and bad weights fail here, before loading
-            if name in ("vlm_judge", "vlm_bertscore") and not os.environ.get("OPENAI_BASE_URL"):
+            if name in VLM_SERVER_REWARDS and not os.environ.get("OPENAI_BASE_URL"):
                 via = f" (from --preset {self.preset})" if self.preset else ""
                 raise UserError(
                     f"--reward {self.reward}{via} asks a VLM on an OpenAI-compatible server: set "
                     f"OPENAI_BASE_URL=http://HOST:PORT/v1 (vLLM, sglang, ...) or write --reward {name}:URL."
                 )
+            if name == "ocr" and importlib.util.find_spec("paddleocr") is None:
+                raise UserError(
+                    "--reward ocr reads with PaddleOCR, which is not installed: `pip install paddleocr "
+                    "paddlepaddle` (an optional extra), or let a VLM read the text: --reward ocr:http://HOST:PORT/v1."
+                )
         if self.prompt_fn != "from_file":
-            check_prompt_source(self.prompt_fn)
+            check_prompt_source(self.prompt_fn, self.prompts_file)  # a file source reads it
         if self.prompt_fn == "from_file":
             if not self.prompts_file:
                 raise UserError("--prompt_fn from_file needs --prompts_file PATH (one prompt per line).")
             load_prompts(self.prompts_file)
-        elif self.prompts_file:
+        elif self.prompts_file and self.prompt_fn not in FILE_SOURCES:
             raise UserError(
                 f"--prompt_fn {self.prompt_fn} and --prompts_file both name the prompts: drop one "
                 "(a prompts file alone means --prompt_fn from_file)."

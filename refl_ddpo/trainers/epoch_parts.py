@@ -29,7 +29,8 @@ class RecipePart:
     reward: str = field_(
         "jpeg_compressibility",
         "Reward name, or a weighted sum 'a:1.0,b:0.5' (jpeg_compressibility, jpeg_incompressibility, aesthetic, "
-        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, remote:URL for a reward server); "
+        "imagereward, pickscore, hpsv2, clip_score, vlm_judge, vlm_bertscore, unifiedreward, vlm_yesno, geneval2, "
+        "ocr[:URL], geneval:URL for GenEval's server, remote:URL for a reward server); "
         "your own reward_fn(images, prompts, metadata) -> (rewards, info) as pkg.module:function.",
         group="reward and prompts",
     )
@@ -38,7 +39,9 @@ class RecipePart:
         "Prompt source: imagenet_animals (the 398 animal classes of ImageNet-1k), simple_animals (45 common "
         "animals), toy_world_train (the toy world's 12 training prompts), toy_world_green / toy_world_cyan (its 2 "
         "training prompts of one colour word), toy_world_cyan_anchored (cyan's 2 and 2 magenta prompts the toy-sd3 "
-        "base draws right), from_file (--prompts_file), or your own prompt_fn() -> (prompt, "
+        "base draws right), from_file (--prompts_file), geneval_file / ocr_file (with --prompts_file: flow_grpo's "
+        "GenEval metadata JSONL, each line the prompt's metadata / its OCR prompts, the quoted text as metadata "
+        "ocr_text), or your own prompt_fn() -> (prompt, "
         "metadata) as pkg.module:function (given an `rng` keyword if it takes one: a random.Random seeded per "
         "epoch, the same on every process); default from_file when --prompts_file is given, else imagenet_animals.",
         fill=default_prompt_fn,
@@ -117,13 +120,14 @@ class RewardsPart:
     )
     vlm_model: str | None = field_(
         None,
-        "Model that vlm_judge / vlm_bertscore ask on their OpenAI-compatible server; default: the first of its "
-        "/v1/models.",
+        "Model that the VLM rewards (vlm_judge, vlm_bertscore, unifiedreward, vlm_yesno, geneval2, ocr:URL) ask on "
+        "their OpenAI-compatible server; default: the first of its /v1/models.",
     )
     vlm_question: str | None = field_(
         None,
-        "Question vlm_judge / vlm_bertscore ask about each image ({prompt} is replaced by the prompt); default: "
-        "'Does this image show {prompt}? Answer yes or no.' / 'Describe this image in one sentence.'",
+        "Question vlm_judge / vlm_bertscore / unifiedreward / vlm_yesno ask about each image ({prompt} is replaced by "
+        "the prompt); default: each reward's own (docs/rewards.md), e.g. vlm_judge's 'Does this image show {prompt}? "
+        "Answer yes or no.'",
     )
     async_reward_computation: bool = field_(
         False, "Compute rewards in a thread pool while sampling continues."

@@ -109,12 +109,15 @@ class EpochCounters:
 
 
 def build_epoch_reward(run: Run) -> None:
-    """run.reward from --reward (the VLM judges' model and question passed on)."""
+    """run.reward from --reward (the VLM rewards' model and question passed on; geneval2's and ocr's questions are
+    their own)."""
     from refl_ddpo.rewards import build_reward
 
     cfg = run.cfg
     vlm = {k: v for k, v in (("model", cfg.vlm_model), ("question", cfg.vlm_question)) if v is not None}
-    options = {"vlm_judge": vlm, "vlm_bertscore": vlm}
+    model = {"model": cfg.vlm_model} if cfg.vlm_model is not None else {}
+    asks = ("vlm_judge", "vlm_bertscore", "unifiedreward", "vlm_yesno")
+    options = {name: vlm for name in asks} | {"geneval2": model, "ocr": model}
     run.reward = build_reward(
         cfg.reward, run.accelerator.device, run.dtype, cfg.reward_model_dir, options=options
     )

@@ -123,13 +123,12 @@ def grouped_prompts(
     """The groups of an epoch, the same plan on every process: this process' prompt_fn (its slice of the groups),
     the group id of each of its samples (N,), and their initial noise (one x_T per group with
     --same_noise_per_group, else None)."""
-    from refl_ddpo.core.prompts import get_prompt_fn
+    from refl_ddpo.core.prompts import epoch_prompt_fn
 
     per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
     num_groups = per_process * num_processes // cfg.group_size
-    prompt_fn = get_prompt_fn(  # one stream for all processes: every one of them draws the same groups
-        cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn,
-        seed=stream_seed(cfg.seed, epoch, 0, 3),
+    prompt_fn = epoch_prompt_fn(  # one stream for all processes: every one of them draws the same groups
+        cfg.prompt_fn, cfg.prompts_file, seed=stream_seed(cfg.seed, epoch, 0, 3)
     )
     samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
     mine = slice(rank * per_process, (rank + 1) * per_process)

@@ -108,11 +108,11 @@ class PolicyState:
 
 def ddpo_plan(run: Run, epoch: int) -> EpochPlan:
     """This process' prompts for the epoch, from a stream seeded by (seed, epoch, process): resumable."""
-    from refl_ddpo.core.prompts import get_prompt_fn
+    from refl_ddpo.core.prompts import epoch_prompt_fn
 
     cfg = run.cfg
-    source = cfg.prompts_file if cfg.prompt_fn == "from_file" else cfg.prompt_fn
-    return EpochPlan(get_prompt_fn(source, seed=stream_seed(cfg.seed, epoch, run.rank, 0)))
+    seed = stream_seed(cfg.seed, epoch, run.rank, 0)
+    return EpochPlan(epoch_prompt_fn(cfg.prompt_fn, cfg.prompts_file, seed=seed))
 
 
 def grouped_epoch(
