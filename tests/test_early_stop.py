@@ -147,6 +147,7 @@ def test_refl_stops_keeps_the_best_and_says_when_the_proxy_and_the_gold_part(
 
     best = out / BEST_DIR
     assert {LORA_WEIGHTS_NAME, CONFIG_NAME, "step-1.png", BEST_FILE} <= {p.name for p in best.iterdir()}
+    assert [p.name for p in best.glob("*.png")] == ["step-1.png"], "the baseline's grid (step 0) was replaced"
     assert json.loads((best / BEST_FILE).read_text()) == {
         "metric": GOLD,
         "mode": "max",

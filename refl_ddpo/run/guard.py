@@ -265,6 +265,8 @@ def write_best_files(output_dir: str | Path, guard: Guard, grid: Path) -> None:
     from refl_ddpo.core.images import write_json_atomic
 
     folder = Path(output_dir) / BEST_DIR
+    for old in folder.glob("*.png"):  # the grid of the best it replaces
+        old.unlink()
     shutil.copyfile(grid, folder / grid.name)
     write_json_atomic(folder / BEST_FILE, {**guard.best_record(), "grid": grid.name})
     record_best(output_dir, guard)

@@ -191,6 +191,13 @@ class Flux2Klein(Flux2):
     # CFG default) and ignored on the distilled model.
     embedded_guidance_default: ClassVar[float | None] = None
 
+    @classmethod
+    def variant(cls, name: str) -> type[Flux2Klein]:
+        """The [klein] base, or `Flux2KleinDistilled` where model_index.json says `is_distilled`."""
+        from refl_ddpo.core.models import model_index
+
+        return Flux2KleinDistilled if model_index(name).get("is_distilled", False) else cls
+
     def uses_cfg(self) -> bool:
         """CFG on the undistilled base; never on the step-distilled model (the pipeline's `is_distilled`)."""
         return not self.pipe.config.get("is_distilled", False)
@@ -202,3 +209,12 @@ class Flux2Klein(Flux2):
             add_generation_prompt=True,
             enable_thinking=False,
         )
+
+
+class Flux2KleinDistilled(Flux2Klein):
+    """The step-distilled FLUX.2 [klein]: it ignores every guidance scale, so the guidance flags the user leaves unset
+    take 1 (no CFG) and the saved config says what ran."""
+
+    @classmethod
+    def default_guidance_scale(cls, cfg_default: float) -> float:
+        return 1.0
