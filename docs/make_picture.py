@@ -1,13 +1,13 @@
-"""The README's picture: the toy world's held-out prompts before and after training, from two inference runs.
+"""The README's picture: the toy world's held-out prompts before and after training, from two or more inference runs.
 
-    python docs/make_picture.py BASE_RUN LORA_RUN [--out docs/images/toy_world_before_after.png] [--per_prompt 4]
-        [--title TEXT]
+    python docs/make_picture.py BASE_RUN LORA_RUN [LORA_RUN ...] [--labels before,after]
+        [--out docs/images/toy_world_before_after.png] [--per_prompt 4] [--title TEXT]
 
 BASE_RUN and LORA_RUN are output folders of inference/inference.py and inference/inference_lora.py on the same
 prompts and seeds (train_scripts/demo.sh writes them as outputs/demo/base and outputs/demo/refl). Every image is judged
-by the toy world's judge (refl_ddpo.toy_world.world); the picture shows, per prompt, the first `--per_prompt` seeds before
-(top) and after (bottom), each marked with whether its colour is the prompt's, and a header with the colour accuracy
-over all images of both runs.
+by the toy world's judge (refl_ddpo.toy_world.world); the picture shows, per prompt, the first `--per_prompt` seeds of
+each run side by side, each marked with whether its colour is the prompt's, and a header with each run's colour
+accuracy over all its images.
 """
 
 from __future__ import annotations
@@ -36,39 +36,45 @@ def judged(run: Path) -> list[dict]:
     return records
 
 
-def picture(before: list[dict], after: list[dict], per_prompt: int, title: str):
-    """Rows of prompts; per prompt `per_prompt` seeds before | after; a green or red bar under each image."""
+def picture(runs: list[list[dict]], labels: list[str], per_prompt: int, title: str):
+    """Rows of prompts; per prompt `per_prompt` seeds of each run, side by side (the runs' order, each headed by its
+    label); a green or red bar under each image."""
     from PIL import Image, ImageDraw
 
     from refl_ddpo.core.images import font
 
-    by_key = {(r["prompt"], r["seed"]): r for r in after}
-    prompts = list(dict.fromkeys(r["prompt"] for r in before))
+    first = runs[0]
+    by_key = [{(r["prompt"], r["seed"]): r for r in run} for run in runs]
+    prompts = list(dict.fromkeys(r["prompt"] for r in first))
     side, pad, bar, label_w = 32 * SCALE, 6, 5, 150
     col_w = side + pad
-    width = label_w + 2 * per_prompt * col_w + 3 * pad
+    width = label_w + len(runs) * (per_prompt * col_w + pad) + 2 * pad
     head_h, row_h = 58, side + bar + 2 * pad
     canvas = Image.new("RGB", (width, head_h + row_h * len(prompts)), "white")
     draw = ImageDraw.Draw(canvas)
-    acc_b = sum(r["colour_ok"] for r in before) / len(before)
-    acc_a = sum(by_key[(r["prompt"], r["seed"])]["colour_ok"] for r in before) / len(before)
+    accuracy = [sum(k[(r["prompt"], r["seed"])]["colour_ok"] for r in first) / len(first) for k in by_key]
     draw.text((pad, pad), title, fill="black", font=font(16))
     draw.text(
         (pad, pad + 22),
-        f"held-out colour accuracy {acc_b:.0%} -> {acc_a:.0%} ({len(before)} images each; green bar: the colour is "
-        "the prompt's)",
+        "held-out colour accuracy "
+        + (
+            " -> ".join(f"{a:.0%}" for a in accuracy)
+            if len(runs) == 2
+            else ", ".join(f"{name} {a:.0%}" for name, a in zip(labels, accuracy, strict=True))
+        )
+        + f" ({len(first)} images each; green bar: the colour is the prompt's)",
         fill="black",
         font=font(13),
     )
-    for side_i, name in enumerate(("before", "after")):
+    for side_i, name in enumerate(labels):
         x = label_w + side_i * (per_prompt * col_w + pad)
         draw.text((x, head_h - 16), name, fill="black", font=font(13))
     for row, prompt in enumerate(prompts):
         y = head_h + row * row_h
         draw.text((pad, y + side // 2 - 8), prompt, fill="black", font=font(13))
-        seeds = [r for r in before if r["prompt"] == prompt][:per_prompt]
-        for side_i, source in enumerate((seeds, [by_key[(r["prompt"], r["seed"])] for r in seeds])):
-            for i, r in enumerate(source):
+        seeds = [r for r in first if r["prompt"] == prompt][:per_prompt]
+        for side_i, keyed in enumerate(by_key):
+            for i, r in enumerate([keyed[(r["prompt"], r["seed"])] for r in seeds]):
                 x = label_w + side_i * (per_prompt * col_w + pad) + i * col_w
                 canvas.paste(r["image"].resize((side, side), Image.NEAREST), (x, y))
                 colour = (40, 160, 60) if r["colour_ok"] else (200, 50, 40)
@@ -80,15 +86,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("base_run", type=Path)
-    parser.add_argument("lora_run", type=Path)
+    parser.add_argument(
+        "runs", type=Path, nargs="+", help="the base's run first, then one or more runs to compare"
+    )
+    parser.add_argument("--labels", default=None, help="comma-separated, one per run (default: before,after)")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "images" / "toy_world_before_after.png"
     )
     parser.add_argument("--per_prompt", type=int, default=4)
     parser.add_argument("--title", default="ReFL with LoRA on the toy world: prompts it never trained on")
     args = parser.parse_args(argv)
-    image = picture(judged(args.base_run), judged(args.lora_run), args.per_prompt, args.title)
+    labels = args.labels.split(",") if args.labels else ["before", "after"]
+    if len(args.runs) < 2 or len(labels) != len(args.runs):
+        parser.error(f"give 2 or more runs and one label per run ({len(args.runs)} runs, labels {labels})")
+    image = picture([judged(run) for run in args.runs], labels, args.per_prompt, args.title)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     image.save(args.out)
     print(f"wrote {args.out}")

@@ -305,3 +305,55 @@ CASES: dict[str, Case] = {
         ),
     )
 }
+
+
+# Guarded training (docs/guards.md): a case whose reward is hacked, run once with the guard's flags. The proxy is the
+# colour reward alone, which the shapes can earn by growing until they fill the frame; the gold measure is toy_judge on
+# the held-out prompt at its own seeds (--seed + j, not the evaluation's), every epoch, keeping the best weights in
+# best/ while the run goes on (--early_stop_patience 0) and writes its last ones (--final_weights last). The case's
+# bounds are the kept weights'; the last weights must break a shape bound (the hack the guard is there to catch).
+GUARD_FLAGS = (
+    "--reward",
+    "toy_color_match",
+    "--validation_prompts_file",
+    "toy_world_green_heldout",
+    "--validation_epochs",
+    "1",
+    "--num_validation_images",
+    "16",
+    "--validation_reward",
+    "toy_judge",
+    "--early_stop_metric",
+    "validation/toy_judge/mean",
+    "--final_weights",
+    "last",
+)
+GUARDED: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case(
+            "grpo_guard",
+            "train_grpo.sh",
+            "toy_world",
+            GUARD_FLAGS,
+            **_SD_GREEN,
+            min_gain=0.2,
+            max_grey_drop=0.2,
+            max_dirty_rise=0.2,
+            max_ragged_rise=0.1,
+        ),
+    )
+}
+
+
+def check_guard(case: Case, base: dict[str, float], last: dict[str, float], kept: dict[str, float]) -> None:
+    """The last weights are hacked (a shape bound broken) and the kept ones are not, with at least half of the last
+    weights' colour gain (and the case's min_gain)."""
+    hacked, guarded = case.changes(base, last), case.changes(base, kept)
+    why = (case.name, base, last, kept, describe_numeric_path())
+    assert hacked["grey_drop"] > case.max_grey_drop or hacked["ragged_rise"] > case.max_ragged_rise, (
+        "the last weights are not hacked: nothing for the guard to catch",
+        *why,
+    )
+    assert guarded["gain"] >= max(case.min_gain, 0.5 * hacked["gain"]), ("the kept weights lost the gain", *why)
+    case.check(base, kept)
