@@ -56,7 +56,7 @@ def picture(runs: list[list[dict]], labels: list[str], per_prompt: int, title: s
     draw.text((pad, pad), title, fill="black", font=font(16))
     draw.text(
         (pad, pad + 22),
-        "held-out colour accuracy "
+        "colour accuracy "
         + (
             " -> ".join(f"{a:.0%}" for a in accuracy)
             if len(runs) == 2
