@@ -113,11 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     configs = z_image_configs()
     results = fm.new_results("benchmarks.z_image_memory", argv, parameter_counts(), dtype="bf16")
-    header = (
-        "| resolution | gradient checkpointing | weights (GiB) | peak (GiB, computed) | peak, text encoder off the "
-        "device (GiB, derived) | counted in |"
-    )
-    lines = [header, "|---|---|---|---|---|---|"]
+    lines = fm.table_head(["resolution"], derived_offload=True)
     footer = (
         f"\n- Computed on the meta device, not measured: Z-Image architecture, bf16, a ReFL rollout of "
         f"{args.refl_steps} steps with grad at step {args.refl_k}, LoRA rank 4. Weights: what is live before the "
