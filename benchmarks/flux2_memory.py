@@ -22,20 +22,11 @@ the transformer's joint_attention_dim. With the encoder on the device add its bf
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
+from benchmarks import family_memory as fm
 from benchmarks.cases import Case
-from benchmarks.config import BenchConfig
-from benchmarks.measure import GIB
-from benchmarks.memory import case_memory
-from benchmarks.models import CONFIG_DIR, model_configs
-from benchmarks.report import write_files
 
 # name -> (transformer config file, pipeline class, is_distilled or None for [dev])
 FLUX2_MODELS = {
@@ -46,22 +37,16 @@ FLUX2_MODELS = {
 VAE_CONFIG = "flux2_vae.json"
 
 
-def _config(file: str) -> dict:
-    return json.loads((CONFIG_DIR / file).read_text())
-
-
 def parameter_counts() -> dict[str, int]:
     """Parameters of each model's transformer and of the VAE (built on meta)."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
     with torch.device("meta"):
         counts = {
-            name: sum(p.numel() for p in Flux2Transformer2DModel.from_config(_config(f)).parameters())
+            name: fm.count_parameters(Flux2Transformer2DModel.from_config(fm.load_config(f)))
             for name, (f, _, _) in FLUX2_MODELS.items()
         }
-        counts["vae"] = sum(
-            p.numel() for p in AutoencoderKLFlux2.from_config(_config(VAE_CONFIG)).parameters()
-        )
+        counts["vae"] = fm.count_parameters(AutoencoderKLFlux2.from_config(fm.load_config(VAE_CONFIG)))
     return counts
 
 
@@ -72,19 +57,16 @@ def _family(b, model: str):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     from refl_ddpo.core.families import family_class
-    from refl_ddpo.run.session import trainable_spec
-    from refl_ddpo.run.training import make_trainable
     from refl_ddpo.testing.tiny_flux2 import FLUX2_SCHEDULER
 
     file, pipeline, distilled = FLUX2_MODELS[model]
     with torch.device(b.device):
-        transformer = Flux2Transformer2DModel.from_config(_config(file))
-        vae = AutoencoderKLFlux2.from_config(_config(VAE_CONFIG))
-    transformer.requires_grad_(False).eval().to(dtype=b.dtype)
-    vae.requires_grad_(False).eval().to(dtype=b.dtype)
+        transformer = Flux2Transformer2DModel.from_config(fm.load_config(file))
+        vae = AutoencoderKLFlux2.from_config(fm.load_config(VAE_CONFIG))
+    fm.frozen(transformer, b.dtype)
+    fm.frozen(vae, b.dtype)
     cls = family_class(pipeline)
-    config = dataclasses.replace(b.common, use_lora=True, lora_target_modules=list(cls.lora_target_modules))
-    params = make_trainable(transformer, trainable_spec(config))
+    params = fm.trainable(b, transformer, cls)
     kwargs = {} if distilled is None else {"is_distilled": distilled}
     pipe = getattr(diffusers, pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
@@ -103,43 +85,10 @@ def refl_case(model: str) -> Case:
     """One ReFL optimizer step on `model` (see the module doc)."""
 
     def setup(b):
-        from refl_ddpo.trainers.backprop import Rollout, refl_step
-
         family, params, cond = _family(b, model)
         prompts, metadata = b.prompts(1)
-        scheduler = family.rollout_scheduler("ddpm")
-        reward_model = b.build("reward")
-        base = family.network
-        network, optimizer = b.prepare(base, params, None)
-        b.finish(network, family.vae, reward_model)
-        reward, acc = b.imagereward(reward_model), b.accelerator
         guidance = family.default_guidance_scale(1.0)  # [dev]: the pipeline's embedded 4; [klein]: CFG off
-        network.train()
-
-        def run():
-            with acc.accumulate(network):
-                noise = family.initial_noise(1, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                rollout = Rollout(
-                    family,
-                    scheduler,
-                    cond,
-                    None,
-                    prompts,
-                    metadata,
-                    noise,
-                    b.cfg.refl_steps,
-                    guidance_scale=guidance,
-                    generator=b.generator,
-                    network=network,
-                )
-                out = refl_step(rollout, reward, b.cfg.refl_k, grad_scale=b.cfg.grad_scale)
-                acc.backward(out.loss)
-                acc.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return out.loss.detach()
-
-        return run, {"unet": base, "vae": family.vae, "reward": reward_model}
+        return fm.refl_run(b, family, params, prompts, metadata, cond=cond, guidance_scale=guidance)
 
     settings = {"mode": "lora", "batch": 1, "model": model, "text_encoder_on_device": False}
     return Case(f"{model}_refl lora b1", f"{model}_refl", "optimizer step", 1, settings, setup)
@@ -147,62 +96,27 @@ def refl_case(model: str) -> Case:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    fm.add_common_args(parser)
     parser.add_argument("--models", nargs="+", choices=list(FLUX2_MODELS), default=list(FLUX2_MODELS))
     parser.add_argument("--resolutions", nargs="+", type=int, default=[512, 1024])
-    parser.add_argument("--refl_steps", type=int, default=40)
-    parser.add_argument("--refl_k", type=int, default=35)
-    parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {
-        "command": " ".join(
-            ["python -m benchmarks.flux2_memory", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "parameters": parameter_counts(),
-        "dtype": "bf16",
-        "cases": [],
-    }
-    lines = [
-        "| model | resolution | gradient checkpointing | weights (GiB) | peak (GiB, computed) | counted in |",
-        "|---|---|---|---|---|---|",
-    ]
+    results = fm.new_results("benchmarks.flux2_memory", argv, parameter_counts(), dtype="bf16")
+    lines = fm.table_head(["model", "resolution"], derived_offload=False)
     footer = (
         f"\n- Computed on the meta device, not measured: bf16, batch 1, a ReFL rollout of {args.refl_steps} steps "
         f"with grad at step {args.refl_k}, LoRA r 4, ImageReward; the text encoder off the device (not built). "
         "Weights: what is live before the counted run (weights, the prompt's embeddings and AdamW states).\n"
     )
-    checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
-    with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
-        sd_configs = model_configs(False, Path(workdir))  # ImageReward's config; the SD ones are not used
-        for model in args.models:
-            for resolution in args.resolutions:
-                for gc in checkpointing:
-                    cfg = BenchConfig(
-                        dtype="bf16",
-                        device="cpu",
-                        resolution=resolution,
-                        refl_steps=args.refl_steps,
-                        refl_k=args.refl_k,
-                        gradient_checkpointing=gc,
-                        memory_only=True,
-                    )
-                    r = case_memory(cfg, sd_configs, Path(workdir), refl_case(model))
-                    r.update(gradient_checkpointing=gc, resolution=resolution)
-                    results["cases"].append(r)
-                    lines.append(
-                        f"| {model} | {resolution} | {'on' if gc else 'off'} | {r['steady_bytes'] / GIB:.2f} | "
-                        f"{r['peak_bytes'] / GIB:.2f} | {r['seconds']:.0f} s |"
-                    )
-                    print(lines[-1], flush=True)
-                    write_files(
-                        out,
-                        {
-                            "memory.json": json.dumps(results, indent=2) + "\n",
-                            "memory.md": "\n".join(lines) + "\n" + footer,
-                        },
-                    )
+    jobs = (
+        (fm.bench_config(args, res, gc), refl_case(model), {"gradient_checkpointing": gc, "resolution": res})
+        for model in args.models
+        for res in args.resolutions
+        for gc in fm.CHECKPOINTING[args.checkpointing]
+    )
+    for r in fm.counts(jobs):
+        results["cases"].append(r)
+        cells = [r["settings"]["model"], str(r["resolution"]), *fm.gib_cells(r, False)]
+        fm.record(args.out, results, lines, cells, footer)
     return results
 
 

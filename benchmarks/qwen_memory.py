@@ -23,20 +23,11 @@ with the real tokenizer. The prompt is encoded as the pipeline's `encode_prompt`
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
+from benchmarks import family_memory as fm
 from benchmarks.cases import Case
-from benchmarks.config import BenchConfig
-from benchmarks.measure import GIB
-from benchmarks.memory import case_memory
-from benchmarks.models import CONFIG_DIR, model_configs
-from benchmarks.report import write_files
 
 QWEN_CONFIG_FILES = {
     "transformer": "qwen_image_transformer.json",
@@ -46,7 +37,7 @@ QWEN_CONFIG_FILES = {
 
 
 def qwen_configs() -> dict[str, dict]:
-    return {name: json.loads((CONFIG_DIR / f).read_text()) for name, f in QWEN_CONFIG_FILES.items()}
+    return fm.load_configs(QWEN_CONFIG_FILES)
 
 
 def _construct(name: str, config: dict):
@@ -66,11 +57,7 @@ def _construct(name: str, config: dict):
 
 def parameter_counts() -> dict[str, int]:
     """Parameters of each part (built on meta)."""
-    with torch.device("meta"):
-        return {
-            name: sum(p.numel() for p in _construct(name, c).parameters())
-            for name, c in qwen_configs().items()
-        }
+    return fm.parameter_counts(_construct, qwen_configs())
 
 
 def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str = "lora"):
@@ -79,8 +66,6 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     from refl_ddpo.core.families.qwen_image import QwenImage
-    from refl_ddpo.run.session import trainable_spec
-    from refl_ddpo.run.training import make_trainable
     from refl_ddpo.testing.tiny_qwen import QWEN_IMAGE_SCHEDULER, qwen_tokenizer
 
     class BenchQwenImage(QwenImage):
@@ -99,15 +84,8 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
                 "prompt_embeds_mask": torch.ones(embeds.shape[:2], dtype=torch.long),
             }
 
-    parts = {}
-    for name in ("transformer", "vae", "text_encoder"):
-        with torch.device(b.device):
-            model = _construct(name, configs[name])
-        parts[name] = model.requires_grad_(False).eval().to(dtype=b.dtype)
-    config = dataclasses.replace(
-        b.common, use_lora=mode == "lora", lora_target_modules=list(QwenImage.lora_target_modules)
-    )
-    params = make_trainable(parts["transformer"], trainable_spec(config))
+    parts = fm.build_parts(b, _construct, configs)
+    params = fm.trainable(b, parts["transformer"], QwenImage, mode)
     tokenizer = qwen_tokenizer()
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
@@ -126,59 +104,19 @@ def _family(b, configs: dict[str, dict], text_encoder_on_device: bool, mode: str
     return family, params, cond, (prompts, metadata)
 
 
-def _text_encoder_bytes(family) -> int:
-    """Device bytes of the text encoder's weights (each tensor a 512-byte block)."""
-    from benchmarks.meta import round_block
-
-    encoder = family.pipe.text_encoder
-    return sum(round_block(t.numel() * t.element_size()) for t in (*encoder.parameters(), *encoder.buffers()))
-
-
 def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str = "lora") -> Case:
     """One ReFL optimizer step on Qwen-Image (see the module doc); `mode`: "lora" or "full" (the whole
     transformer trained)."""
 
     def setup(b):
-        from refl_ddpo.trainers.backprop import Rollout, refl_step
-
         family, params, fixed_cond, (prompts, metadata) = _family(b, configs, text_encoder_on_device, mode)
         if text_encoder_on_device:
-            b.text_encoder_bytes = _text_encoder_bytes(family)
+            b.text_encoder_bytes = fm.text_encoder_bytes(family)
             b.text_encoder_family = (
                 family  # for the count of --fsdp_shard_text_encoders (benchmarks/memory.py)
             )
-        scheduler = family.rollout_scheduler("ddpm")
-        reward_model = b.build("reward")
-        base = family.network
-        network, optimizer = b.prepare(base, params, None)
-        b.finish(network, None, reward_model)  # the Qwen-Image VAE has no gradient checkpointing
-        reward, acc = b.imagereward(reward_model), b.accelerator
-        network.train()
-
-        def run():
-            with acc.accumulate(network):
-                cond = fixed_cond or family.encode_prompts(prompts, with_negative=False)[0]
-                noise = family.initial_noise(1, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                rollout = Rollout(
-                    family,
-                    scheduler,
-                    cond,
-                    None,
-                    prompts,
-                    metadata,
-                    noise,
-                    b.cfg.refl_steps,
-                    generator=b.generator,
-                    network=network,
-                )
-                out = refl_step(rollout, reward, b.cfg.refl_k, grad_scale=b.cfg.grad_scale)
-                acc.backward(out.loss)
-                acc.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return out.loss.detach()
-
-        return run, {"unet": base, "vae": family.vae, "reward": reward_model}
+        # the Qwen-Image VAE has no gradient checkpointing
+        return fm.refl_run(b, family, params, prompts, metadata, cond=fixed_cond, vae=None)
 
     where = "on the device" if text_encoder_on_device else "offloaded"
     name = f"qwen_image_refl {mode} b1, text encoder {where}"
@@ -191,14 +129,11 @@ def refl_case(configs: dict[str, dict], text_encoder_on_device: bool, mode: str 
     return Case(name, "qwen_image_refl", "optimizer step", 1, settings, setup)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    fm.add_common_args(parser)
     parser.add_argument("--resolution", type=int, default=1024)
-    parser.add_argument("--refl_steps", type=int, default=40)
-    parser.add_argument("--refl_k", type=int, default=35)
     parser.add_argument("--modes", nargs="+", choices=("lora", "full"), default=["lora"])
-    parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
     parser.add_argument(
         "--text_encoder", choices=("both", "on", "off"), default="both", help="on the device or not"
     )
@@ -213,30 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="with --fsdp_world_size: the text encoder sharded too (the kit's flag; --text_encoder on)",
     )
-    args = parser.parse_args(argv)
-    if args.fsdp_shard_text_encoders and not (args.fsdp_world_size and args.text_encoder == "on"):
-        parser.error("--fsdp_shard_text_encoders needs --fsdp_world_size N and --text_encoder on")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    configs = qwen_configs()
-    results = {
-        "command": " ".join(
-            ["python -m benchmarks.qwen_memory", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "parameters": parameter_counts(),
-        "resolution": args.resolution,
-        "dtype": "bf16",
-        "fsdp_world_size": args.fsdp_world_size,
-        "fsdp_shard_text_encoders": args.fsdp_shard_text_encoders,
-        "cases": [],
-    }
-    lines = [
-        (
-            "| case | gradient checkpointing | weights (GiB) | peak (GiB, computed) | peak, text encoder off the "
-            "device (GiB, derived) | counted in |"
-        ),
-        "|---|---|---|---|---|---|",
-    ]
+    return parser
+
+
+def _footer(args: argparse.Namespace) -> str:
     notes = [
         (
             f"Computed on the meta device, not measured: Qwen-Image architecture, bf16, {args.resolution} px, a "
@@ -255,44 +170,40 @@ def main(argv: list[str] | None = None) -> dict:
                 else "whole."
             )
         )
-    footer = "\n" + "".join(f"- {n}\n" for n in notes)
-    checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
+    return "\n" + "".join(f"- {n}\n" for n in notes)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.fsdp_shard_text_encoders and not (args.fsdp_world_size and args.text_encoder == "on"):
+        parser.error("--fsdp_shard_text_encoders needs --fsdp_world_size N and --text_encoder on")
+    configs = qwen_configs()
+    fsdp = {
+        "fsdp_world_size": args.fsdp_world_size,
+        "fsdp_shard_text_encoders": args.fsdp_shard_text_encoders,
+    }
+    results = fm.new_results(
+        "benchmarks.qwen_memory", argv, parameter_counts(), resolution=args.resolution, dtype="bf16", **fsdp
+    )
+    lines = fm.table_head(["case"], derived_offload=True)
+    footer = _footer(args)
     on_device = {"both": (True, False), "on": (True,), "off": (False,)}[args.text_encoder]
-    with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
-        sd_configs = model_configs(False, Path(workdir))  # ImageReward's config; the SD ones are not used
-        for gc in checkpointing:
-            cfg = BenchConfig(
-                dtype="bf16",
-                device="cpu",
-                resolution=args.resolution,
-                refl_steps=args.refl_steps,
-                refl_k=args.refl_k,
-                gradient_checkpointing=gc,
-                memory_only=True,
-                fsdp_world_size=args.fsdp_world_size,
-                fsdp_shard_text_encoders=args.fsdp_shard_text_encoders,
-            )
-            for mode in args.modes:
-                for te in on_device:
-                    r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs, te, mode))
-                    r["gradient_checkpointing"] = gc
-                    if r.get("text_encoders_sharded"):
-                        r["name"] = r["name"].replace("on the device", "sharded")
-                    results["cases"].append(r)
-                    off = r.get("peak_text_encoders_offloaded_bytes")
-                    lines.append(
-                        f"| {r['name']} | {'on' if gc else 'off'} | {r['steady_bytes'] / GIB:.2f} | "
-                        f"{r['peak_bytes'] / GIB:.2f} | {'-' if off is None else f'{off / GIB:.2f}'} | "
-                        f"{r['seconds']:.0f} s |"
-                    )
-                    print(lines[-1], flush=True)
-                    write_files(
-                        out,
-                        {
-                            "memory.json": json.dumps(results, indent=2) + "\n",
-                            "memory.md": "\n".join(lines) + "\n" + footer,
-                        },
-                    )
+    jobs = (
+        (
+            fm.bench_config(args, args.resolution, gc, **fsdp),
+            refl_case(configs, te, mode),
+            {"gradient_checkpointing": gc},
+        )
+        for gc in fm.CHECKPOINTING[args.checkpointing]
+        for mode in args.modes
+        for te in on_device
+    )
+    for r in fm.counts(jobs):
+        if r.get("text_encoders_sharded"):
+            r["name"] = r["name"].replace("on the device", "sharded")
+        results["cases"].append(r)
+        fm.record(args.out, results, lines, [r["name"], *fm.gib_cells(r, True)], footer)
     return results
 
 

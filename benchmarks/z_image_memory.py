@@ -22,21 +22,9 @@ shape the meta device cannot know; likewise the transformer gets each prompt's t
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import sys
-import tempfile
-from pathlib import Path
 
-import torch
-
+from benchmarks import family_memory as fm
 from benchmarks.cases import Case
-from benchmarks.config import BenchConfig
-from benchmarks.measure import GIB
-from benchmarks.memory import case_memory
-from benchmarks.models import CONFIG_DIR, model_configs
-from benchmarks.qwen_memory import _text_encoder_bytes
-from benchmarks.report import write_files
 
 Z_IMAGE_CONFIG_FILES = {
     "transformer": "z_image_transformer.json",
@@ -46,7 +34,7 @@ Z_IMAGE_CONFIG_FILES = {
 
 
 def z_image_configs() -> dict[str, dict]:
-    return {name: json.loads((CONFIG_DIR / f).read_text()) for name, f in Z_IMAGE_CONFIG_FILES.items()}
+    return fm.load_configs(Z_IMAGE_CONFIG_FILES)
 
 
 def _construct(name: str, config: dict):
@@ -66,11 +54,7 @@ def _construct(name: str, config: dict):
 
 def parameter_counts() -> dict[str, int]:
     """Parameters of each part (built on meta)."""
-    with torch.device("meta"):
-        return {
-            name: sum(p.numel() for p in _construct(name, c).parameters())
-            for name, c in z_image_configs().items()
-        }
+    return fm.parameter_counts(_construct, z_image_configs())
 
 
 def _family(b, configs: dict[str, dict]):
@@ -78,10 +62,8 @@ def _family(b, configs: dict[str, dict]):
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
     from refl_ddpo.core.families.z_image import ZImage
-    from refl_ddpo.run.session import trainable_spec
-    from refl_ddpo.run.training import make_trainable
-    from refl_ddpo.testing.tiny_qwen import qwen_tokenizer
-    from refl_ddpo.testing.tiny_zimage import BASE_SCHEDULER, QWEN3_CHAT_TEMPLATE
+    from refl_ddpo.testing.tiny_qwen import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
+    from refl_ddpo.testing.tiny_zimage import BASE_SCHEDULER
 
     class BenchZImage(ZImage):
         def run_text_encoders(self, prompts, with_negative):
@@ -101,15 +83,8 @@ def _family(b, configs: dict[str, dict]):
         def texts(self, cond):
             return list(cond["prompt_embeds"].unbind(0))  # every token kept: no mask-indexing on meta
 
-    parts = {}
-    for name in ("transformer", "vae", "text_encoder"):
-        with torch.device(b.device):
-            model = _construct(name, configs[name])
-        parts[name] = model.requires_grad_(False).eval().to(dtype=b.dtype)
-    config = dataclasses.replace(
-        b.common, use_lora=True, lora_target_modules=list(ZImage.lora_target_modules)
-    )
-    params = make_trainable(parts["transformer"], trainable_spec(config))
+    parts = fm.build_parts(b, _construct, configs)
+    params = fm.trainable(b, parts["transformer"], ZImage)
     tokenizer = qwen_tokenizer()
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     pipe = ZImagePipeline(
@@ -122,43 +97,10 @@ def refl_case(configs: dict[str, dict]) -> Case:
     """One ReFL optimizer step on Z-Image (see the module doc)."""
 
     def setup(b):
-        from refl_ddpo.trainers.backprop import Rollout, refl_step
-
         family, params, (prompts, metadata) = _family(b, configs)
-        b.text_encoder_bytes = _text_encoder_bytes(family)
+        b.text_encoder_bytes = fm.text_encoder_bytes(family)
         b.text_encoder_family = family
-        scheduler = family.rollout_scheduler("ddpm")
-        reward_model = b.build("reward")
-        base = family.network
-        network, optimizer = b.prepare(base, params, None)
-        b.finish(network, family.vae, reward_model)
-        reward, acc = b.imagereward(reward_model), b.accelerator
-        network.train()
-
-        def run():
-            with acc.accumulate(network):
-                cond = family.encode_prompts(prompts, with_negative=False)[0]
-                noise = family.initial_noise(1, b.resolution, b.generator, cond["prompt_embeds"].dtype)
-                rollout = Rollout(
-                    family,
-                    scheduler,
-                    cond,
-                    None,
-                    prompts,
-                    metadata,
-                    noise,
-                    b.cfg.refl_steps,
-                    generator=b.generator,
-                    network=network,
-                )
-                out = refl_step(rollout, reward, b.cfg.refl_k, grad_scale=b.cfg.grad_scale)
-                acc.backward(out.loss)
-                acc.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return out.loss.detach()
-
-        return run, {"unet": base, "vae": family.vae, "reward": reward_model}
+        return fm.refl_run(b, family, params, prompts, metadata)
 
     settings = {"mode": "lora", "batch": 1, "model": "z-image", "text_encoder_on_device": True}
     return Case("z_image_refl lora b1", "z_image_refl", "optimizer step", 1, settings, setup)
@@ -166,63 +108,30 @@ def refl_case(configs: dict[str, dict]) -> Case:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    fm.add_common_args(parser)
     parser.add_argument("--resolutions", type=int, nargs="+", default=[512, 1024])
-    parser.add_argument("--refl_steps", type=int, default=40)
-    parser.add_argument("--refl_k", type=int, default=35)
-    parser.add_argument("--checkpointing", choices=("both", "off", "on"), default="both")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     configs = z_image_configs()
-    argv_used = argv if argv is not None else sys.argv[1:]
-    results = {
-        "command": " ".join(["python -m benchmarks.z_image_memory", *argv_used]),
-        "parameters": parameter_counts(),
-        "dtype": "bf16",
-        "cases": [],
-    }
-    header = (
-        "| resolution | gradient checkpointing | weights (GiB) | peak (GiB, computed) | peak, text encoder off the "
-        "device (GiB, derived) | counted in |"
-    )
-    lines = [header, "|---|---|---|---|---|---|"]
+    results = fm.new_results("benchmarks.z_image_memory", argv, parameter_counts(), dtype="bf16")
+    lines = fm.table_head(["resolution"], derived_offload=True)
     footer = (
         f"\n- Computed on the meta device, not measured: Z-Image architecture, bf16, a ReFL rollout of "
         f"{args.refl_steps} steps with grad at step {args.refl_k}, LoRA rank 4. Weights: what is live before the "
         "counted run (weights and AdamW states). Text encoder off the device (derived, not counted): the peak less "
         "its weights (it runs before the rollout, whose backward holds the peak).\n"
     )
-    checkpointing = {"both": (False, True), "off": (False,), "on": (True,)}[args.checkpointing]
-    with tempfile.TemporaryDirectory(prefix="bench_") as workdir:
-        sd_configs = model_configs(False, Path(workdir))  # ImageReward's config; the SD ones are not used
-        for resolution in args.resolutions:
-            for gc in checkpointing:
-                cfg = BenchConfig(
-                    dtype="bf16",
-                    device="cpu",
-                    resolution=resolution,
-                    refl_steps=args.refl_steps,
-                    refl_k=args.refl_k,
-                    gradient_checkpointing=gc,
-                    memory_only=True,
-                )
-                r = case_memory(cfg, sd_configs, Path(workdir), refl_case(configs))
-                r |= {"gradient_checkpointing": gc, "resolution": resolution}
-                results["cases"].append(r)
-                off = r.get("peak_text_encoders_offloaded_bytes")
-                lines.append(
-                    f"| {resolution} | {'on' if gc else 'off'} | {r['steady_bytes'] / GIB:.2f} | "
-                    f"{r['peak_bytes'] / GIB:.2f} | {'-' if off is None else f'{off / GIB:.2f}'} | "
-                    f"{r['seconds']:.0f} s |"
-                )
-                print(lines[-1], flush=True)
-                files = {
-                    "memory.json": json.dumps(results, indent=2) + "\n",
-                    "memory.md": "\n".join(lines) + "\n",
-                }
-                files["memory.md"] += footer
-                write_files(out, files)
+    jobs = (
+        (
+            fm.bench_config(args, res, gc),
+            refl_case(configs),
+            {"gradient_checkpointing": gc, "resolution": res},
+        )
+        for res in args.resolutions
+        for gc in fm.CHECKPOINTING[args.checkpointing]
+    )
+    for r in fm.counts(jobs):
+        results["cases"].append(r)
+        fm.record(args.out, results, lines, [str(r["resolution"]), *fm.gib_cells(r, True)], footer)
     return results
 
 

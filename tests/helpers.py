@@ -475,3 +475,76 @@ def kit_frames(network, run_fn, loop_name: str) -> int:
     assert counts, "kit_frames: run_fn never called the network"
     assert None not in counts, f"kit_frames: a network call with no frame named {loop_name!r} above it"
     return max(counts)
+
+
+# ---- shared by the family test files (test_flux, test_flux2, test_qwen_image, test_z_image) ----
+
+# config class name -> its guidance flags and their CFG defaults (what SD resolves them to, a family without embedded
+# guidance too)
+GUIDANCE_FIELDS = {
+    "ReFLConfig": {"guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+    "DDPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
+    "GRPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
+    "NFTConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+    "AWMConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
+}
+
+
+def config_classes() -> list:
+    """Every trainer's config class (each has GUIDANCE_FIELDS' guidance flags)."""
+    from refl_ddpo.trainers.ddpo_config import DDPOConfig
+    from refl_ddpo.trainers.forward_config import AWMConfig, NFTConfig
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+    from refl_ddpo.trainers.refl_config import ReFLConfig
+
+    return [ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig]
+
+
+def one_image_inference(
+    tmp_path: Path, model: Path, prompt: str, steps: int, resolution: int, seed: int, *flags
+):
+    """refl_ddpo.apps.inference on one prompt (a prompts file in tmp_path): one image of `model` into tmp_path/out,
+    on CPU, scored by the JPEG reward; returns run_inference's result."""
+    from refl_ddpo.apps import inference
+    from refl_ddpo.run.flags import parse_config
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{prompt}\n")
+    argv = ["--pretrained_model", str(model), "--prompts_file", str(prompts), "--device", "cpu"]
+    argv += ["--output_dir", str(tmp_path / "out"), "--num_images_per_prompt", "1"]
+    argv += ["--num_inference_steps", str(steps)]
+    argv += [
+        "--resolution",
+        str(resolution),
+        "--rewards",
+        "jpeg_compressibility",
+        "--seed",
+        str(seed),
+        *flags,
+    ]
+    return inference.run_inference(parse_config(inference.InferenceConfig, argv))
+
+
+def train_preset_small(monkeypatch, capsys, main, tiny_models: Path, out: Path, preset: str, **flags) -> None:
+    """A trainer's `main` run with --preset `preset` scaled down to a tiny model (`flags`: model=..., more flags):
+    one group of 2, the JPEG size as reward, one epoch, CPU precision, a random LoRA init; checks that it ran its
+    epoch and that the LoRA moved and the base weights did not."""
+    small = {"sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
+    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
+    argv = trainer_flags(
+        tiny_models,
+        out,
+        "--preset",
+        preset,
+        reward="jpeg_compressibility",
+        mixed_precision="no",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        **small,
+        **flags,
+    )
+    watch = watch_training(monkeypatch)
+    main(argv)
+    assert "epoch 1/1" in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)

@@ -13,7 +13,10 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 from helpers import (
+    GUIDANCE_FIELDS,
     assert_lora_changes_stock_images,
+    config_classes,
+    one_image_inference,
     trainer_flags,
     watch_training,
 )
@@ -316,31 +319,13 @@ def _guidance_flags(cls, model: Path, *flags: str):
     return parse_config(cls, ["--pretrained_model", str(model), *flags])
 
 
-GUIDANCE_FIELDS = {  # config class name -> its guidance flags and their CFG defaults (what SD resolves them to)
-    "ReFLConfig": {"guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-    "DDPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
-    "GRPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
-    "NFTConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-    "AWMConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-}
-
-
-def _config_classes():
-    from refl_ddpo.trainers.ddpo_config import DDPOConfig
-    from refl_ddpo.trainers.forward_config import AWMConfig, NFTConfig
-    from refl_ddpo.trainers.grpo_config import GRPOConfig
-    from refl_ddpo.trainers.refl_config import ReFLConfig
-
-    return [ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig]
-
-
 def test_unset_guidance_flags_resolve_per_family_and_a_set_one_wins(tiny_models):
     """Every trainer's guidance flags: unset, FLUX.1-dev (and schnell, which ignores it) gets the pipeline's 3.5
     and SD 1.x its CFG default as before; a value the user gives is kept on both; the DDPO-style alias reads the
     resolved value."""
     from refl_ddpo.core.families import resolve_guidance
 
-    for cls in _config_classes():
+    for cls in config_classes():
         defaults = GUIDANCE_FIELDS[cls.__name__]
         for model, expected in [
             (tiny_models / DEV, dict.fromkeys(defaults, 3.5)),
@@ -388,9 +373,6 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
     import numpy as np
     from PIL import Image
 
-    from refl_ddpo.apps import inference
-    from refl_ddpo.run.flags import parse_config
-
     seen = []
     predict = Flux.predict
 
@@ -399,19 +381,7 @@ def test_inference_embeds_the_pipelines_default_guidance_unless_one_is_given(
         return predict(self, *args, **kwargs)
 
     monkeypatch.setattr(Flux, "predict", recording)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{PROMPTS[0]}\n")
-    argv = ["--pretrained_model", str(tiny_models / DEV), "--prompts_file", str(prompts), "--device", "cpu"]
-    argv += [
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--num_images_per_prompt",
-        "1",
-        "--num_inference_steps",
-        "2",
-    ]
-    argv += ["--resolution", str(RES), "--rewards", "jpeg_compressibility", "--seed", str(SEEDS[0]), *flags]
-    result = inference.run_inference(parse_config(inference.InferenceConfig, argv))
+    result = one_image_inference(tmp_path, tiny_models / DEV, PROMPTS[0], 2, RES, SEEDS[0], *flags)
     assert set(seen) == {expected} and result["config"]["guidance_scale"] == expected
     assert f"guidance_scale {expected}" in capsys.readouterr().out
     image = Image.open(tmp_path / "out" / result["records"][0]["file"])

@@ -10,7 +10,12 @@ tests/test_family_conformance.py."""
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline
-from helpers import assert_lora_changes_stock_images, ddpo_first_update, trainer_flags, watch_training
+from helpers import (
+    assert_lora_changes_stock_images,
+    ddpo_first_update,
+    one_image_inference,
+    train_preset_small,
+)
 
 from refl_ddpo.core.families import load_family
 from refl_ddpo.core.families.flux2 import Flux2, Flux2Klein
@@ -221,29 +226,7 @@ def test_inference_equals_the_stock_pipelines_call(folder, flags, tiny_models, s
     import numpy as np
     from PIL import Image
 
-    from refl_ddpo.apps import inference
-    from refl_ddpo.run.flags import parse_config
-
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{PROMPTS[0]}\n")
-    argv = [
-        "--pretrained_model",
-        str(tiny_models / folder),
-        "--prompts_file",
-        str(prompts),
-        "--device",
-        "cpu",
-    ]
-    argv += [
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--num_images_per_prompt",
-        "1",
-        "--num_inference_steps",
-        "3",
-    ]
-    argv += ["--resolution", str(RES), "--rewards", "jpeg_compressibility", "--seed", str(SEEDS[0]), *flags]
-    result = inference.run_inference(parse_config(inference.InferenceConfig, argv))
+    result = one_image_inference(tmp_path, tiny_models / folder, PROMPTS[0], 3, RES, SEEDS[0], *flags)
     if folder == DEV:
         assert result["config"]["guidance_scale"] == 4.0
     ref = stock(folder)(
@@ -325,26 +308,8 @@ def test_flow_factory_presets_keep_their_sources_numbers_and_train_on_the_tiny_m
         assert (cfg.sde_window, cfg.sample_num_steps - cfg.train_skip_last_steps) == (1, starts)
 
     out = tmp_path / "preset"
-    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
-    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
-    flags = trainer_flags(
-        tiny_models,
-        out,
-        "--preset",
-        preset,
-        model=folder,
-        reward="jpeg_compressibility",
-        mixed_precision="no",
-        lora_init="random",
-        device="cpu",
-        report_to="none",
-        validation_num_steps=2,
-        **small,
-    )
-    watch = watch_training(monkeypatch)
-    module.main(flags)
-    assert "epoch 1/1" in capsys.readouterr().out
-    watch.assert_lora_moved_and_base_not(out)
+    small = {"model": folder, "resolution": RES, "validation_num_steps": 2}
+    train_preset_small(monkeypatch, capsys, module.main, tiny_models, out, preset, **small)
     pipe = FOLDERS[folder][0].from_pretrained(tiny_models / folder)
     pipe.set_progress_bar_config(disable=True)
     assert_lora_changes_stock_images(pipe, out, RES, part="transformer")

@@ -12,8 +12,8 @@ import torch
 from diffusers import QwenImagePipeline
 from helpers import (
     assert_lora_changes_stock_images,
+    train_preset_small,
     trainer_flags,
-    watch_training,
 )
 
 from refl_ddpo.core.families import cond_cat, load_family
@@ -197,25 +197,9 @@ def test_flow_grpo_qwen_image_preset_keeps_its_sources_numbers_and_trains_its_wi
     assert cfg.gradient_checkpointing and cfg.mixed_precision == "bf16"
 
     out = tmp_path / "preset"
-    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
-    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
-    flags = trainer_flags(
-        tiny_models,
-        out,
-        "--preset",
-        "flow_grpo_qwen_image",
-        model=MODEL,
-        reward="jpeg_compressibility",
-        mixed_precision="no",
-        lora_init="random",
-        device="cpu",
-        report_to="none",
-        **small,
+    train_preset_small(
+        monkeypatch, capsys, grpo.main, tiny_models, out, "flow_grpo_qwen_image", model=MODEL, resolution=RES
     )
-    watch = watch_training(monkeypatch)
-    grpo.main(flags)
-    assert "epoch 1/1" in capsys.readouterr().out
-    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(tiny_models / MODEL), out, RES, part="transformer")
 
 

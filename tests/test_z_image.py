@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import ZImagePipeline
-from helpers import assert_lora_changes_stock_images, trainer_flags, watch_training
+from helpers import (
+    GUIDANCE_FIELDS,
+    assert_lora_changes_stock_images,
+    config_classes,
+    one_image_inference,
+    train_preset_small,
+)
 
 from refl_ddpo.core.families import cond_cat, load_family
 from refl_ddpo.core.families.z_image import ZImage, ZImageTurbo, unpadded
@@ -147,29 +153,12 @@ def test_loop_reproduces_stock_pipeline_in_bfloat16(tiny_models, record_property
 
 # ---- guidance defaults: the Turbo's unset guidance flags are 1 (no CFG), the base's keep their CFG defaults ----
 
-GUIDANCE_FIELDS = {  # config class name -> its guidance flags and their CFG defaults (what the base resolves to)
-    "ReFLConfig": {"guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-    "DDPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
-    "GRPOConfig": {"sample_guidance_scale": 5.0, "validation_guidance_scale": 7.5},
-    "NFTConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-    "AWMConfig": {"sample_guidance_scale": 1.0, "validation_guidance_scale": 7.5},
-}
-
-
-def _config_classes():
-    from refl_ddpo.trainers.ddpo_config import DDPOConfig
-    from refl_ddpo.trainers.forward_config import AWMConfig, NFTConfig
-    from refl_ddpo.trainers.grpo_config import GRPOConfig
-    from refl_ddpo.trainers.refl_config import ReFLConfig
-
-    return [ReFLConfig, DDPOConfig, GRPOConfig, NFTConfig, AWMConfig]
-
 
 def test_unset_guidance_flags_are_no_cfg_on_the_turbo_and_a_set_one_wins(tiny_models):
     from refl_ddpo.core.families import resolve_guidance
     from refl_ddpo.run.flags import parse_config
 
-    for cls in _config_classes():
+    for cls in config_classes():
         defaults = GUIDANCE_FIELDS[cls.__name__]
         for model, expected in [(TURBO, dict.fromkeys(defaults, 1.0)), (MODEL, defaults)]:
             argv = ["--pretrained_model", str(tiny_models / model)]
@@ -194,9 +183,6 @@ def test_inference_draws_the_stock_pipelines_images(
     import numpy as np
     from PIL import Image
 
-    from refl_ddpo.apps import inference
-    from refl_ddpo.run.flags import parse_config
-
     seen = []
     predict = ZImage.predict
 
@@ -205,13 +191,7 @@ def test_inference_draws_the_stock_pipelines_images(
         return predict(self, *args, **kwargs)
 
     monkeypatch.setattr(ZImage, "predict", recording)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(f"{PROMPTS[0]}\n")
-    argv = ["--pretrained_model", str(tiny_models / model), "--prompts_file", str(prompts), "--device", "cpu"]
-    argv += ["--output_dir", str(tmp_path / "out"), "--num_images_per_prompt", "1"]
-    argv += ["--num_inference_steps", "3"]
-    argv += ["--resolution", str(RES), "--rewards", "jpeg_compressibility", "--seed", str(SEEDS[0]), *flags]
-    result = inference.run_inference(parse_config(inference.InferenceConfig, argv))
+    result = one_image_inference(tmp_path, tiny_models / model, PROMPTS[0], 3, RES, SEEDS[0], *flags)
     assert {s for _, s in seen} == {stock_guidance + 1.0} and {u for u, _ in seen} == {stock_guidance > 0}
     image = Image.open(tmp_path / "out" / result["records"][0]["file"])
     ref = _stock(tiny_models / model)(
@@ -268,25 +248,16 @@ def test_flow_grpo_z_image_turbo_preset_trains_on_the_tiny_turbo(tiny_models, tm
     from refl_ddpo.trainers import grpo
 
     out = tmp_path / "preset"
-    small = {"resolution": RES, "sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "group_size": 2}
-    small |= {"train_batch_size": 2, "train_gradient_accumulation_steps": 1, "num_epochs": 1}
-    flags = trainer_flags(
+    train_preset_small(
+        monkeypatch,
+        capsys,
+        grpo.main,
         tiny_models,
         out,
-        "--preset",
         "flow_grpo_z_image_turbo",
         model=TURBO,
-        reward="jpeg_compressibility",
-        mixed_precision="no",
-        lora_init="random",
-        device="cpu",
-        report_to="none",
-        **small,
+        resolution=RES,
     )
-    watch = watch_training(monkeypatch)
-    grpo.main(flags)
-    assert "epoch 1/1" in capsys.readouterr().out
-    watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_images(_stock(Path(tiny_models / TURBO)), out, RES, part="transformer")
 
 

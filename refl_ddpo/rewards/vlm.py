@@ -28,17 +28,20 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.rewards.vlm_client import VLM, answer_text, one_line, yes_probability
+from refl_ddpo.rewards.vlm_client import (
+    VLM,
+    answer_text,
+    fill_prompt,
+    judged_reward,
+    one_line,
+    yes_probability,
+)
 
 JUDGE_QUESTION = "Does this image show {prompt}? Answer yes or no."
 DESCRIBE_QUESTION = "Describe this image in one sentence."
 BERTSCORE_DIR = "bertscore"
 BERTSCORE_HUB_ID = "roberta-large"
 BERTSCORE_LAYER = 17
-
-
-def _question(template: str, prompt: str) -> str:
-    return template.replace("{prompt}", prompt)
 
 
 def vlm_judge(
@@ -53,12 +56,11 @@ def vlm_judge(
     vlm = VLM(url, model, **client_options)
     template = question or JUDGE_QUESTION
 
-    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        choices = vlm.ask(images, [_question(template, p) for p in prompts], max_tokens=1, logprobs=True)
-        rewards = [yes_probability(c, vlm.base_url) for c in choices]
-        return torch.tensor(rewards, dtype=torch.float32, device=device), {}
+    def judge(images: torch.Tensor, prompts: list[str]) -> list[float]:
+        choices = vlm.ask(images, [fill_prompt(template, p) for p in prompts], max_tokens=1, logprobs=True)
+        return [yes_probability(c, vlm.base_url) for c in choices]
 
-    return reward_fn
+    return judged_reward(device, judge)
 
 
 # ---- BERTScore recall ----
@@ -130,7 +132,7 @@ def vlm_bertscore(
     template = question or DESCRIBE_QUESTION
 
     def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        choices = vlm.ask(images, [_question(template, p) for p in prompts], max_tokens, logprobs=False)
+        choices = vlm.ask(images, [fill_prompt(template, p) for p in prompts], max_tokens, logprobs=False)
         descriptions = [answer_text(c) for c in choices]
         rewards = scorer.recall(descriptions, list(prompts))
         return rewards.to(device=device, dtype=torch.float32), {}

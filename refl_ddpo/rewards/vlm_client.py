@@ -11,6 +11,8 @@ with backoff on connection errors, timeouts, HTTP 429 and 5xx; every failure is 
 
 Answers are read by the functions below: `answer_text`, `token_probability` (the probability the server gives a set
 of answer words as the first token, from its top log-probs) and `yes_probability` (vlm_judge's normalised form).
+`fill_prompt` and `judged_reward` are the rewards' common glue: a question template's prompt, and a reward function
+of the rewards' contract around a judge that gives one float per image.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -39,10 +42,27 @@ BACKOFF_S = 0.5  # waits 0.5, 1, ... s between attempts
 MAX_CONCURRENT = 16  # requests in flight at once, per client
 
 Part = str | torch.Tensor  # a text part, or an image [3, H, W] in [0, 1]
+Judge = Callable[
+    [torch.Tensor, list[str]], list[float]
+]  # (images [B, 3, H, W], prompts) -> one reward per image
 
 
 def one_line(text) -> str:
     return (str(text).strip().splitlines() or [""])[0][:200]
+
+
+def fill_prompt(template: str, prompt: str) -> str:
+    """A question template with its `{prompt}` replaced by the prompt (other braces kept as they are)."""
+    return template.replace("{prompt}", prompt)
+
+
+def judged_reward(device: torch.device, judge: Judge):
+    """The reward function (images, prompts, metadata) -> (rewards [B] float32 on `device`, {}) of `judge`."""
+
+    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        return torch.tensor(judge(images, prompts), dtype=torch.float32, device=device), {}
+
+    return reward_fn
 
 
 def image_data_url(image: torch.Tensor) -> str:
@@ -259,3 +279,10 @@ class VLM:
         """One question per image (the text first, then the image)."""
         messages = [[q, images[i]] for i, q in enumerate(questions)]
         return self.chat(messages, max_tokens, 5 if logprobs else 0)
+
+    def ask_each(
+        self, images: torch.Tensor, template: str, prompts: list[str], max_tokens: int, logprobs: int = 0
+    ) -> list[dict]:
+        """The template's question about each image and its prompt (the image first, then the text)."""
+        messages = [[images[i], fill_prompt(template, p)] for i, p in enumerate(prompts)]
+        return self.chat(messages, max_tokens, logprobs)

@@ -27,7 +27,15 @@ import re
 import torch
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.rewards.vlm_client import VLM, answer_text, one_line, token_probability, top_logprobs
+from refl_ddpo.rewards.vlm_client import (
+    VLM,
+    answer_text,
+    fill_prompt,
+    judged_reward,
+    one_line,
+    token_probability,
+    top_logprobs,
+)
 
 UNIFIEDREWARD_QUESTION = (
     "You are given a text caption and an image generated from it. Judge the image on how well it matches the "
@@ -47,10 +55,6 @@ FINAL_SCORE = re.compile(
 PAIR_CHOICE = re.compile(r"image\s*([12])\s*is\s*(?:the\s*)?better", re.IGNORECASE)
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 IRREGULAR_PLURALS = {"person": "people", "sheep": "sheep", "knife": "knives", "mouse": "mice", "skis": "skis"}
-
-
-def _question(template: str, prompt: str) -> str:
-    return template.replace("{prompt}", prompt)
 
 
 def final_score(text: str, score_max: float, base_url: str) -> float:
@@ -90,13 +94,11 @@ def unifiedreward(
     vlm = VLM(url, model, **client_options)
     template = question or UNIFIEDREWARD_QUESTION
 
-    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        messages = [[images[i], _question(template, p)] for i, p in enumerate(prompts)]
-        choices = vlm.chat(messages, max_tokens)
-        rewards = [final_score(answer_text(c), score_max, vlm.base_url) for c in choices]
-        return torch.tensor(rewards, dtype=torch.float32, device=device), {}
+    def judge(images: torch.Tensor, prompts: list[str]) -> list[float]:
+        choices = vlm.ask_each(images, template, prompts, max_tokens)
+        return [final_score(answer_text(c), score_max, vlm.base_url) for c in choices]
 
-    return reward_fn
+    return judged_reward(device, judge)
 
 
 def vlm_yesno(
@@ -111,14 +113,12 @@ def vlm_yesno(
     vlm = VLM(url, model, **client_options)
     template = question or YESNO_QUESTION
 
-    def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        messages = [[images[i], _question(template, p)] for i, p in enumerate(prompts)]
-        choices = vlm.chat(messages, max_tokens=1, logprobs=TOP_LOGPROBS)
+    def judge(images: torch.Tensor, prompts: list[str]) -> list[float]:
+        choices = vlm.ask_each(images, template, prompts, max_tokens=1, logprobs=TOP_LOGPROBS)
         tops = [_needs_logprobs(c, vlm.base_url, "vlm_yesno") for c in choices]
-        rewards = [token_probability(top, {"yes"}) for top in tops]
-        return torch.tensor(rewards, dtype=torch.float32, device=device), {}
+        return [token_probability(top, {"yes"}) for top in tops]
 
-    return reward_fn
+    return judged_reward(device, judge)
 
 
 # ---- geneval2: Soft-TIFA ----
@@ -263,7 +263,7 @@ def pairwise_probabilities(
     """P(a better than b) per (prompt, image a [3, H, W], image b): all requests at once on the client."""
 
     def message(prompt, first, second):
-        return ["Image 1:", first, "Image 2:", second, _question(question, prompt)]
+        return ["Image 1:", first, "Image 2:", second, fill_prompt(question, prompt)]
 
     messages = [message(p, a, b) for p, a, b in zip(prompts, images_a, images_b, strict=True)]
     if both_orders:

@@ -24,7 +24,7 @@ import torch
 
 from refl_ddpo.testing.tiny_flux import DEV_SCHEDULER
 from refl_ddpo.testing.tiny_parts import byte_chars
-from refl_ddpo.testing.tiny_qwen import qwen_tokenizer
+from refl_ddpo.testing.tiny_qwen import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
 
 # FLUX.2's scheduler config: FLUX.1-dev's, as diffusers' scripts/convert_flux2_to_diffusers.py builds the pipeline
 # (dynamic shifting on, so the `mu` the pipelines compute with `compute_empirical_mu` is used).
@@ -43,15 +43,6 @@ MISTRAL_CHAT_TEMPLATE = (
     "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
     "{%- else %}{{- text + eos_token }}{%- endif %}"
     "{%- endfor %}"
-)
-# Qwen3's chat template reduced to what Flux2KleinPipeline sends (user turns, the generation prompt, thinking off).
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}"
 )
 
 

@@ -33,6 +33,17 @@ QWEN_IMAGE_SCHEDULER = {
 # the tiny text encoder's hidden size (Qwen2.5-VL-7B's is 3584), the transformer's joint_attention_dim
 TEXT_WIDTH = 32
 
+# Qwen3's chat template reduced to what ZImagePipeline and Flux2KleinPipeline ask of it: user turns, the generation
+# prompt, and the empty think block that Qwen3 adds only when thinking is disabled.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}"
+)
+
 
 def qwen_tokenizer():
     """A Qwen2 tokenizer built offline: one token per byte, no merges, and Qwen's <|endoftext|> (padding) and chat

@@ -19,23 +19,12 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.testing.tiny_parts import tiny_vae
-from refl_ddpo.testing.tiny_qwen import qwen_tokenizer
+from refl_ddpo.testing.tiny_qwen import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
 
 # Tongyi-MAI/Z-Image's and Tongyi-MAI/Z-Image-Turbo's scheduler/scheduler_config.json
 BASE_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0, "use_dynamic_shifting": False}
 TURBO_SCHEDULER = {**BASE_SCHEDULER, "shift": 3.0}
 TEXT_WIDTH = 32  # the tiny text encoder's hidden size (Qwen3-4B's is 2560), the transformer's cap_feat_dim
-
-# Qwen3's chat template reduced to what the pipeline asks of it: user turns, the generation prompt, and the empty
-# think block that Qwen3 adds only when thinking is disabled.
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}"
-)
 
 
 def tiny_qwen3(tokenizer, seed: int):

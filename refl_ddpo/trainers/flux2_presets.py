@@ -1,5 +1,6 @@
 """FLUX.2's presets (--preset NAME) for GRPO and DiffusionNFT, as plain data: X-GenGroup/Flow-Factory's example
-configs for FLUX.2 [dev] and [klein], scaled to one GPU.
+configs for FLUX.2 [dev] and [klein], scaled to one GPU; and what Flow-Factory's examples share at one GPU's share
+(`FLOW_FACTORY_GRPO`, `FLOW_FACTORY_NFT`), which the Z-Image presets of grpo_config.py and forward_config.py use too.
 
 Flow-Factory's examples run on 8 GPUs, one image per GPU and batch, 48 prompts per epoch in groups of 16 (96 images
 per GPU); one GPU here samples one group of 16 per epoch, in 4 batches of 4. Their "default" LoRA targets are the
@@ -14,29 +15,44 @@ from __future__ import annotations
 
 from typing import Any
 
-# What Flow-Factory's FLUX.2 GRPO examples share (examples/grpo/lora/flux2*/): clip 1e-4, advantages clipped to 5,
-# no KL (kl_beta 0), per-group std, lr 3e-4, weight decay 1e-4, gradient norm 1, LoRA r 64 / alpha 128, bf16, 2
-# optimizer steps per epoch, saved every 20 epochs.
-_FF_GRPO = {
+# What Flow-Factory's GRPO and NFT examples share at one GPU's share: one group of 16 per epoch in 4 batches of 4,
+# each group's own std, no KL (kl_beta 0), weight decay 1e-4, gradient norm 1, LoRA r 64 / alpha 128, bf16.
+_FLOW_FACTORY = {
     "sample_batch_size": 4,
     "sample_num_batches_per_epoch": 4,
     "group_size": 16,
     "global_std": False,
-    "sde_window": 1,
     "train_batch_size": 4,
-    "train_gradient_accumulation_steps": 2,
-    "train_clip_range": 1e-4,
-    "train_adv_clip_max": 5.0,
     "kl_weight": 0.0,
-    "learning_rate": 3e-4,
     "adam_weight_decay": 1e-4,
     "max_grad_norm": 1.0,
     "lora_rank": 64,
     "lora_alpha": 128,
     "mixed_precision": "bf16",
     "num_epochs": 1000,  # theirs run until stopped by hand
-    "save_freq": 20,
 }
+# Their GRPO examples (examples/grpo/lora/): one SDE step per trajectory, clip 1e-4, advantages clipped to 5, lr
+# 3e-4, 2 optimizer steps per epoch.
+FLOW_FACTORY_GRPO = {
+    **_FLOW_FACTORY,
+    "sde_window": 1,
+    "train_gradient_accumulation_steps": 2,
+    "train_clip_range": 1e-4,
+    "train_adv_clip_max": 5.0,
+    "learning_rate": 3e-4,
+}
+# Their NFT examples (examples/nft/lora/): one optimizer step per epoch, beta 0.1, the old policy's decay piecewise
+# linear (flat 0, rate 0.001, at most 0.5).
+FLOW_FACTORY_NFT = {
+    **_FLOW_FACTORY,
+    "train_gradient_accumulation_steps": 4,
+    "nft_beta": 0.1,
+    "old_decay_flat": 0,
+    "old_decay_rate": 0.001,
+    "old_decay_max": 0.5,
+}
+# Their FLUX.2 GRPO examples (examples/grpo/lora/flux2*/) save every 20 epochs.
+_FF_GRPO = {**FLOW_FACTORY_GRPO, "save_freq": 20}
 
 FLUX2_GRPO_PRESETS: dict[str, dict[str, Any]] = {
     # FLUX.2 [dev] (examples/grpo/lora/flux2/t2i.yaml): 8 steps at 512 px with the embedded guidance 4, noise level
@@ -93,33 +109,17 @@ FLUX2_NFT_PRESETS: dict[str, dict[str, Any]] = {
     # optimizer step per epoch, LoRA r 64 / alpha 128, the old policy an EMA of decay min(0.001 epoch, 0.5) (their
     # piecewise-linear schedule stepped per epoch); evaluated with 28 steps.
     "nft_flux2_klein_base": {
+        **FLOW_FACTORY_NFT,
         "pretrained_model": "black-forest-labs/FLUX.2-klein-base-4B",
         "reward": "pickscore",
         "resolution": 384,
         "sample_num_steps": 8,
         "sample_guidance_scale": 1.0,
-        "sample_batch_size": 4,
-        "sample_num_batches_per_epoch": 4,
-        "group_size": 16,
-        "global_std": False,
-        "train_batch_size": 4,
-        "train_gradient_accumulation_steps": 4,
         "train_skip_last_steps": 4,
         "train_timestep_fraction": 0.5,
         "train_adv_clip_max": 5.0,
-        "kl_weight": 0.0,
-        "nft_beta": 0.1,
-        "old_decay_flat": 0,
-        "old_decay_rate": 0.001,
-        "old_decay_max": 0.5,
         "old_decay_clock": "epochs",
         "learning_rate": 1e-4,
-        "adam_weight_decay": 1e-4,
-        "max_grad_norm": 1.0,
-        "lora_rank": 64,
-        "lora_alpha": 128,
-        "mixed_precision": "bf16",
-        "num_epochs": 1000,
         "save_freq": 20,
         "validation_num_steps": 28,
         "validation_guidance_scale": 1.0,

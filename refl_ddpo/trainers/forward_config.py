@@ -10,7 +10,7 @@ from refl_ddpo.core.errors import UserError
 from refl_ddpo.run.parts import field_, guidance_field
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
-from refl_ddpo.trainers.flux2_presets import FLUX2_NFT_PRESETS
+from refl_ddpo.trainers.flux2_presets import FLOW_FACTORY_NFT, FLUX2_NFT_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig
 
 SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -198,32 +198,16 @@ NFT_PRESETS: dict[str, dict[str, Any]] = {
     # KL, the old policy's decay piecewise linear (flat 0, rate 0.001, at most 0.5), lr 3e-4, LoRA r 64 / alpha 128 on
     # the family's default targets (theirs), bf16; evaluation 40 steps at CFG 4. Their time_shift 3.0 is not the kit's.
     "nft_z_image": {
+        **FLOW_FACTORY_NFT,
         "pretrained_model": "Tongyi-MAI/Z-Image",
         "reward": "pickscore",
         "resolution": 512,
         "sample_num_steps": 10,
         "sample_guidance_scale": 5.0,
-        "sample_batch_size": 4,
-        "sample_num_batches_per_epoch": 4,
-        "group_size": 16,
-        "global_std": False,
-        "train_batch_size": 4,
-        "train_gradient_accumulation_steps": 4,
         "train_timestep_fraction": 0.2,  # 2 of 10
         "train_timesteps": "stratified",
         "train_timestep_range": 0.5,
-        "kl_weight": 0.0,
-        "nft_beta": 0.1,
-        "old_decay_flat": 0,
-        "old_decay_rate": 0.001,
-        "old_decay_max": 0.5,
         "learning_rate": 3e-4,
-        "adam_weight_decay": 1e-4,
-        "max_grad_norm": 1.0,
-        "lora_rank": 64,
-        "lora_alpha": 128,
-        "mixed_precision": "bf16",
-        "num_epochs": 1000,
         "save_freq": 40,
         "validation_num_steps": 40,
         "validation_guidance_scale": 5.0,

@@ -12,7 +12,7 @@ from refl_ddpo.rewards.pairwise import parse_pairwise_spec
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS, PPOPart
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
-from refl_ddpo.trainers.flux2_presets import FLUX2_GRPO_PRESETS
+from refl_ddpo.trainers.flux2_presets import FLOW_FACTORY_GRPO, FLUX2_GRPO_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, check_pairwise_groups, group_sizes
 
 __all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "check_pairwise_groups", "group_sizes"]
@@ -253,30 +253,14 @@ GRPO_PRESETS.update(FLUX2_GRPO_PRESETS)  # Flow-Factory's FLUX.2 [dev] and [klei
 # 8 GPUs sample 48 prompts x 16 per epoch; one GPU here samples one group. Their EMA of the weights (decay 0.9) is
 # not the kit's.
 GRPO_PRESETS["flow_grpo_z_image"] = {
+    **FLOW_FACTORY_GRPO,
     "pretrained_model": "Tongyi-MAI/Z-Image",
     "reward": "pickscore",
     "resolution": 512,
     "sample_num_steps": 10,
     "sample_eta": 0.7,
     "sample_guidance_scale": 5.0,
-    "sde_window": 1,
     "train_skip_last_steps": 6,
-    "sample_batch_size": 4,
-    "sample_num_batches_per_epoch": 4,
-    "group_size": 16,
-    "global_std": False,
-    "train_batch_size": 4,
-    "train_gradient_accumulation_steps": 2,
-    "train_clip_range": 1e-4,
-    "train_adv_clip_max": 5.0,
-    "kl_weight": 0.0,
-    "learning_rate": 3e-4,
-    "adam_weight_decay": 1e-4,
-    "max_grad_norm": 1.0,
-    "lora_rank": 64,
-    "lora_alpha": 128,
-    "mixed_precision": "bf16",
-    "num_epochs": 1000,
     "save_freq": 40,
     "validation_num_steps": 40,
     "validation_guidance_scale": 5.0,

@@ -69,18 +69,10 @@ class Flux(StableDiffusion3):
         prompt, is encoded only for true CFG (`true_cfg_scale` > 1; None otherwise: the embedded guidance needs
         none, and T5 is not run for nothing). The text position ids are zeros (`text_ids`), made at the network
         call."""
-        cond = self._encode(prompts)
-        with_negative = with_negative and self.true_cfg_scale > 1.0
-        return cond, (self._encode([""] * len(prompts)) if with_negative else None)
+        return self._encode_with_empty(prompts, with_negative and self.true_cfg_scale > 1.0)
 
     def _encode(self, prompts: list[str]) -> Cond:
-        embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=None,
-            device=self.pipe.device,
-            num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length,
-        )
+        embeds, pooled, _ = self._pipeline_encode(prompts, prompt_2=None)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def text_ids(self, prompt_embeds: torch.Tensor) -> torch.Tensor:

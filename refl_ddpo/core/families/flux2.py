@@ -88,17 +88,10 @@ class Flux2(StableDiffusion3):
     def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt`; the negative, the empty prompt, only where CFG can be on (`uses_cfg`;
         None otherwise). The text position ids are made at the network call."""
-        cond = self._encode(prompts)
-        with_negative = with_negative and self.uses_cfg()
-        return cond, (self._encode([""] * len(prompts)) if with_negative else None)
+        return self._encode_with_empty(prompts, with_negative and self.uses_cfg())
 
     def _encode(self, prompts: list[str]) -> Cond:
-        embeds, _ = self.pipe.encode_prompt(
-            prompt=prompts,
-            device=self.pipe.device,
-            num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length,
-        )
+        embeds, _ = self._pipeline_encode(prompts)
         return {"prompt_embeds": embeds}
 
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:

@@ -57,16 +57,10 @@ class QwenImage(Flux):
 
     def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """The pipeline's own `encode_prompt`; the negative is the empty prompt (None unless `with_negative`)."""
-        cond = self._encode(prompts)
-        return cond, (self._encode([""] * len(prompts)) if with_negative else None)
+        return self._encode_with_empty(prompts, with_negative)
 
     def _encode(self, prompts: list[str]) -> Cond:
-        embeds, mask = self.pipe.encode_prompt(
-            prompt=prompts,
-            device=self.pipe.device,
-            num_images_per_prompt=1,
-            max_sequence_length=self.max_sequence_length,
-        )
+        embeds, mask = self._pipeline_encode(prompts)
         if mask is None:  # the pipeline drops a mask of all ones; the kit keeps one so batches can be padded
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}

@@ -54,6 +54,22 @@ class StableDiffusion3(ModelFamily):
         )
         return pooled_conds(*encoded, with_negative)
 
+    def _pipeline_encode(self, prompts: list[str], **kwargs) -> tuple:
+        """The pipeline's own `encode_prompt` of `prompts`, one image each, up to the family's `max_sequence_length`
+        text tokens (FLUX.1, FLUX.2, Qwen-Image); `kwargs`: that pipeline's other arguments."""
+        return self.pipe.encode_prompt(
+            prompt=prompts,
+            device=self.pipe.device,
+            num_images_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+            **kwargs,
+        )
+
+    def _encode_with_empty(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
+        """The family's `_encode` of `prompts`, and of as many empty prompts (the negative) when `with_negative`."""
+        cond = self._encode(prompts)
+        return cond, (self._encode([""] * len(prompts)) if with_negative else None)
+
     def initial_noise(self, batch_size: int, resolution: int, generator, dtype: torch.dtype) -> torch.Tensor:
         from diffusers.utils.torch_utils import randn_tensor
 
