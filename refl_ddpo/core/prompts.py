@@ -170,6 +170,7 @@ PROMPT_SOURCES: dict[str, Callable[..., PromptFn]] = {
     "toy_world_heldout": _builtin("toy_world_heldout"),  # its 6 held-out prompts (evaluation only)
     # one colour word's 2 training prompts (a green circle / square; the policy-gradient presets, docs/toy_world.md)
     "toy_world_green": _builtin("toy_world_green"),
+    "toy_world_green_heldout": _builtin("toy_world_green_heldout"),  # a green triangle (the guard's proof)
     "toy_world_cyan": _builtin("toy_world_cyan"),  # a cyan square / triangle (the toy-sd3 presets)
     # those two and a magenta square / circle, which toy-sd3 already draws right: a LoRA that turned every square
     # cyan would lose their reward (DDPO's toy-sd3 proof; docs/record/learning_spread.md)
