@@ -59,6 +59,7 @@ def test_ppo_clip_loss_matches_closed_form():
     torch.testing.assert_close(
         info["ratio"], torch.tensor((1.5 + 0.5 + 1.05 + 0.98) / 4, dtype=torch.float64)
     )
+    torch.testing.assert_close(info["ratio_std"], ratio.std(unbiased=False))  # the spread, a drift monitor
     loss.backward()
     # the clipped sample 0 has no gradient; the others d/dlogp (-A r / B)
     torch.testing.assert_close(

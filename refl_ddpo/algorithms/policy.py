@@ -24,7 +24,7 @@ def clipped_surrogate(
     log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`ppo_clip_loss` of a log importance ratio (B,) given as such (GRPO-Guard's `ratio_norm`, or logp - logp_old):
-    the loss and its detached (approx_kl, clipfrac, ratio)."""
+    the loss and its detached (approx_kl, clipfrac, ratio and ratio_std: the mean and population std of r)."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
@@ -33,6 +33,7 @@ def clipped_surrogate(
         "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
         "clipfrac": ((ratio.detach() - 1.0).abs() > clip_range).float().mean(),
         "ratio": ratio.detach().mean(),
+        "ratio_std": ratio.detach().std(unbiased=False),  # its spread over the batch: a drift monitor
     }
     return loss, info
 
