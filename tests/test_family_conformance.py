@@ -587,8 +587,8 @@ def test_draft_k_alignprop_and_draft_lv_run_two_steps(
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_runs_two_epochs(name, trainer, tiny_models, tmp_path, capsys, monkeypatch):
     """DDPO, GRPO (KL to the base on), DiffusionNFT and AWM for two epochs: the LoRA moved and no base weight did,
-    every network call of the loop was at most 3 kit frames below it; DDPO's and GRPO's change the stock pipeline's
-    images."""
+    every network call of the loop was at most 3 kit frames below it; DDPO's, GRPO's and DiffusionNFT's load in the
+    stock pipeline and change its images."""
     spec = FAMILIES[name]
     watch = watch_training(monkeypatch)
     out = tmp_path / trainer
@@ -600,5 +600,5 @@ def test_trainer_runs_two_epochs(name, trainer, tiny_models, tmp_path, capsys, m
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     watch.assert_lora_moved_and_base_not(out)
     watch.assert_loop_near_the_network()
-    if trainer in ("ddpo", "grpo"):
+    if trainer in ("ddpo", "grpo", "nft"):
         assert_lora_changes_stock_images(_stock(spec, tiny_models / spec.model), out, RES, part=spec.part)
