@@ -167,7 +167,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--refl_steps", type=int, default=40)
     parser.add_argument("--refl_k", type=int, default=35)
-    parser.add_argument("--grpo_steps", type=int, default=6, help="GRPO's sampling steps (Flow-GRPO's FLUX.1 6).")
+    parser.add_argument(
+        "--grpo_steps", type=int, default=6, help="GRPO's sampling steps (Flow-GRPO's FLUX.1 6)."
+    )
     parser.add_argument("--checkpointing", choices=tuple(CHECKPOINTING), default="both")
 
 

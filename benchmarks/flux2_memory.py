@@ -31,7 +31,12 @@ from benchmarks.cases import Case
 # name -> (transformer config file, pipeline class, is_distilled or None for [dev], text encoder config file)
 FLUX2_MODELS = {
     "flux2_dev": ("flux2dev_transformer.json", "Flux2Pipeline", None, "flux2dev_text_encoder.json"),
-    "flux2_klein_4b": ("flux2_klein_4b_transformer.json", "Flux2KleinPipeline", True, "z_image_text_encoder.json"),
+    "flux2_klein_4b": (
+        "flux2_klein_4b_transformer.json",
+        "Flux2KleinPipeline",
+        True,
+        "z_image_text_encoder.json",
+    ),
     "flux2_klein_9b": (
         "flux2_klein_9b_transformer.json",
         "Flux2KleinPipeline",
@@ -143,7 +148,11 @@ def _jobs(args: argparse.Namespace):
             for phase in args.phases:
                 for gc in fm.checkpointing(args, phase):
                     cfg = fm.bench_config(args, res, gc, ddpo_guidance_scale=guidance)
-                    yield cfg, case(model, phase), {"gradient_checkpointing": gc, "resolution": res, "phase": phase}
+                    yield (
+                        cfg,
+                        case(model, phase),
+                        {"gradient_checkpointing": gc, "resolution": res, "phase": phase},
+                    )
 
 
 def main(argv: list[str] | None = None) -> dict:
