@@ -1,22 +1,26 @@
-"""FLUX.2 [dev] and [klein] 4B / 9B: peak device memory of a ReFL LoRA step, counted without a GPU by
-benchmarks/memory.py's machinery (`case_memory`: the meta device, CUDA's autocast and attention kernels, setup, a
-warm-up run, the peak of a second run):
+"""FLUX.2 [dev] and [klein] 4B / 9B: peak device memory of a ReFL LoRA step and of GRPO's two passes, counted
+without a GPU by benchmarks/memory.py's machinery (`case_memory`: the meta device, CUDA's autocast and attention
+kernels, setup, a warm-up run, the peak of a second run):
 
     python -m benchmarks.flux2_memory --out benchmarks/results/flux2_memory --refl_steps 4 --refl_k 3
 
-One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps
-steps, step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, bf16, LoRA rank 4 on the
-family's default targets, no CFG ([dev]: the embedded guidance 4; [klein]: CFG off, ReFL's rollout default), at 512
-and 1024 px, with gradient checkpointing off and on (the transformer's, the VAE decoder's and ImageReward's: the
-trainer's --gradient_checkpointing --vae_gradient_checkpointing).
+At batch 1, bf16, LoRA rank 4 on the family's default targets, no CFG ([dev]: the embedded guidance 4; [klein]: the
+distilled model, CFG off), at each --resolutions, the text encoder on the device (the peak with it off the device
+derived: the peak less its weights), three passes (--phases; family_memory.PHASES): "refl", one ReFL optimizer step
+(refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps steps, step --refl_k with grad,
+predicted x0 decoded by the VAE, ImageReward); "grpo_sample" and "grpo_train", GRPO's sampling of one image
+(--grpo_steps flow-SDE steps, log-probs, decode) and its training pass over it (every step, PPO-clip), as
+benchmarks/cases.py counts FLUX.1's. Gradient checkpointing off and on (the transformer's, the VAE decoder's and
+ImageReward's: the trainer's --gradient_checkpointing --vae_gradient_checkpointing); GRPO's sampling only off.
 
 Models: the transformer configs of diffusers' scripts/convert_flux2_to_diffusers.py (`get_flux2_transformer_config`:
 flux2-dev, klein-4b, klein-9b; kept in benchmarks/configs/flux2*_transformer.json) and the VAE it converts into,
-AutoencoderKLFlux2's defaults (benchmarks/configs/flux2_vae.json); random weights on meta. The text encoders
-(Mistral-Small-3.2-24B for [dev], Qwen3 4B / 8B for [klein]) are not built: their published configs were not at
-hand here. So every case is counted with the text encoder off the device (the kit's --offload_text_encoders after
-its encode), the prompt's embeddings on the device as the encode leaves them: (1, 512, 3 x the text encoder's width),
-the transformer's joint_attention_dim. With the encoder on the device add its bf16 weights (not counted here).
+AutoencoderKLFlux2's defaults (benchmarks/configs/flux2_vae.json); the text encoders as the pipelines' classes build
+them: [dev]'s Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration, its vision tower included;
+flux2dev_text_encoder.json, the published config as a FLUX.2 trainer vendors it), [klein] 4B's Qwen3-4B
+(z_image_text_encoder.json, Z-Image's) and 9B's Qwen3-8B (flux2_klein_9b_text_encoder.json), as Qwen3ForCausalLM;
+random weights on meta. No tokenizer: the pipelines pad every prompt to 512 tokens, so the encoder runs on 512 token
+ids and the hidden states of the pipeline's layers are stacked as its encode_prompt does: (1, 512, 3 x width).
 """
 
 from __future__ import annotations

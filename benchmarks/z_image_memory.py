@@ -3,12 +3,16 @@ device, CUDA's autocast and attention kernels, setup, a warm-up run, the peak of
 
     python -m benchmarks.z_image_memory --out benchmarks/results/z_image_memory --refl_steps 4 --refl_k 3
 
-One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps
-steps, step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, bf16, LoRA rank 4 on the
-family's default targets, CFG off (ReFL's rollout; Z-Image-Turbo's sampling), counted at each --resolutions with
-gradient checkpointing off and on (the transformer's, the VAE's and ImageReward's), the text encoder on the device;
-the peak with it offloaded (--offload_text_encoders) is derived from the count, as benchmarks/qwen_memory.py's.
-Z-Image and Z-Image-Turbo have the same parts: one count serves both.
+At batch 1, bf16, LoRA rank 4 on the family's default targets, at each --resolutions, the text encoder on the device
+(the peak with it offloaded, --offload_text_encoders, is derived from the count, as benchmarks/qwen_memory.py's),
+three passes (--phases; family_memory.PHASES):
+- "refl": one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps steps,
+  step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward), CFG off (ReFL's rollout; Z-Image-Turbo's
+  sampling). Z-Image and Z-Image-Turbo have the same parts: one count serves both.
+- "grpo_sample" and "grpo_train": GRPO's sampling of one image (--grpo_steps flow-SDE steps, log-probs, decode) and
+  its training pass over it (every step, PPO-clip), as benchmarks/cases.py counts FLUX.1's; Z-Image with CFG (the
+  pipeline's default guidance), Z-Image-Turbo without.
+Gradient checkpointing off and on (the transformer's, the VAE's and ImageReward's); GRPO's sampling only off (no grad).
 
 Models: the published Tongyi-MAI/Z-Image(-Turbo) configs kept in benchmarks/configs (z_image_transformer.json, the
 6.15B single-stream DiT; z_image_text_encoder.json, Qwen3-4B's, built as the pipeline's Qwen3Model; the VAE is
