@@ -127,8 +127,6 @@ def _ddpo_setup(b: Bench, flux: bool = False):
     """The DDPO trainer's models: the family with a DDIM scheduler, LoRA UNet prepared with its optimizer, and the
     empty prompt's conditioning (batch 1). `flux`: GRPO's on FLUX.1-dev (the family's policy sampler, the flow SDE;
     the LoRA on the family's default targets)."""
-    from refl_ddpo.trainers.ddpo_config import num_train_timesteps
-
     if flux:
         config = b.ddpo_config(eta=FLUX_GRPO_ETA)
         base_unet, params, family = _flux_trainable(b, "lora", config)
@@ -138,9 +136,18 @@ def _ddpo_setup(b: Bench, flux: bool = False):
         base_unet, params = b.trainable_unet("lora", config)
         family = b.family(base_unet)
         scheduler = family.scheduler("DDIMScheduler")
+    return policy_setup(b, config, family, scheduler, params)
+
+
+def policy_setup(b: Bench, config, family, scheduler, params):
+    """The rest of the DDPO / GRPO trainer's setup once its family (around the trained network) and trained
+    parameters are built: `scheduler` as the family's, the network prepared with its optimizer, the empty prompt's
+    conditioning. Returns what `sample_run` and `train_run` take."""
+    from refl_ddpo.trainers.ddpo_config import num_train_timesteps
+
     family.pipe.scheduler = scheduler
     unet, optimizer = b.prepare(
-        base_unet, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
+        family.network, params, config, config.train_gradient_accumulation_steps * num_train_timesteps(config)
     )
     b.finish(unet, family.vae)
     uncond = family.empty_cond()
@@ -168,19 +175,47 @@ def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward
     )
 
 
+def sample_run(b: Bench, setup: tuple) -> tuple:
+    """One sampled batch (refl_ddpo.trainers.rollouts.sample_epoch) on `setup`, `policy_setup`'s result."""
+    config, family, scheduler, unet, _, _, uncond = setup
+    reward = _pixel_mean_reward()
+
+    def run():
+        unet.eval()
+        return _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, reward)[0].images
+
+    return run, {"unet": family.network, "vae": family.vae}
+
+
+def train_run(b: Bench, setup: tuple) -> tuple:
+    """One training pass (refl_ddpo.trainers.ppo.train_on_samples) over one sampled batch on `setup`,
+    `policy_setup`'s result; CFG where the config samples with it."""
+    from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
+    from refl_ddpo.trainers.rollouts import Policy, collect_rewards, stack_samples
+
+    config, family, scheduler, unet, optimizer, params, uncond = setup
+    # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
+    batches = _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, _pixel_mean_reward())
+    collect_rewards(batches)
+    advantages = torch.randn(config.sample_batch_size, generator=b.generator).clamp(-5, 5)  # (B,)
+    samples = stack_samples(batches, advantages)
+    del batches
+    train_uncond = uncond if config.train_cfg and config.sample_guidance_scale > 1.0 else None
+    policy, settings = Policy(family, scheduler, train_uncond, unet), PPOSettings.from_config(config)
+
+    def run():
+        steps = train_on_samples(policy, settings, samples, b.accelerator, optimizer, params, b.generator)
+        return torch.tensor([s["loss"] for s in steps])
+
+    return run, {"unet": family.network}
+
+
 def ddpo_sample_case(batch: int, flux: bool = False) -> Case:
     """refl_ddpo.trainers.rollouts.sample_epoch for one batch: 50 stochastic DDIM steps, CFG, log-probs, decode.
     `flux`: GRPO's sampling on FLUX.1-dev (the same function: flow SDE steps at the embedded guidance, no CFG)."""
 
     def setup(b: Bench):
-        config, family, scheduler, unet, _, _, uncond = _ddpo_setup(b, flux)
-        reward = _pixel_mean_reward()
-
-        def run():
-            unet.eval()
-            return _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, reward)[0].images
-
-        return run, {"unet": family.network, "vae": family.vae}
+        return sample_run(b, _ddpo_setup(b, flux))
 
     if flux:
         return Case(
@@ -194,24 +229,7 @@ def ddpo_train_case(batch: int, micro: int, flux: bool = False) -> Case:
     GRPO's training pass on FLUX.1-dev (the same function; no CFG: one transformer call per trained step)."""
 
     def setup(b: Bench):
-        from refl_ddpo.trainers.ppo import PPOSettings, train_on_samples
-        from refl_ddpo.trainers.rollouts import Policy, collect_rewards, stack_samples
-
-        config, family, scheduler, unet, optimizer, params, uncond = _ddpo_setup(b, flux)
-        # One sampled batch to train on (not timed); advantages random in [-5, 5] (adv_clip_max).
-        batches = _sample(b, config, family, scheduler, unet, uncond, b.prompt_fn, _pixel_mean_reward())
-        collect_rewards(batches)
-        advantages = torch.randn(batch, generator=b.generator).clamp(-5, 5)  # (B,)
-        samples = stack_samples(batches, advantages)
-        del batches
-        train_uncond = uncond if config.train_cfg and config.sample_guidance_scale > 1.0 else None
-        policy, settings = Policy(family, scheduler, train_uncond, unet), PPOSettings.from_config(config)
-
-        def run():
-            steps = train_on_samples(policy, settings, samples, b.accelerator, optimizer, params, b.generator)
-            return torch.tensor([s["loss"] for s in steps])
-
-        return run, {"unet": family.network}
+        return train_run(b, _ddpo_setup(b, flux))
 
     bench = "flux_grpo_train" if flux else "ddpo_train"
     return Case(

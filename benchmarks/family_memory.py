@@ -130,11 +130,46 @@ def refl_run(b, family, params, prompts: list[str], metadata: list[dict], **step
     return run, {"unet": base, "vae": family.vae, "reward": reward_model}
 
 
+PHASES = ("refl", "grpo_sample", "grpo_train")  # what a count counts: refl_run's step, grpo_run's two passes
+
+
+def grpo_run(b, family, params, phase: str) -> tuple[Callable, dict]:
+    """The rest of a GRPO case's setup once its family and trained parameters are built, and its run, as
+    benchmarks/cases.py counts FLUX.1's: `phase` "grpo_sample" (one sampled batch: the flow SDE's steps, CFG where
+    the bench config's --ddpo_guidance_scale and the family turn it on, log-probs, decode) or "grpo_train" (one
+    training pass over it: every timestep, PPO-clip)."""
+    from benchmarks.cases import FLUX_GRPO_ETA, policy_setup, sample_run, train_run
+
+    config = b.ddpo_config(eta=FLUX_GRPO_ETA)
+    setup = policy_setup(b, config, family, family.policy_scheduler(), params)
+    return (sample_run if phase == "grpo_sample" else train_run)(b, setup)
+
+
+def phase_run(b, family, params, phase: str, **step) -> tuple[Callable, dict]:
+    """`phase`'s run (one of PHASES): refl_run with `step`, or grpo_run."""
+    if phase == "refl":
+        prompts, metadata = b.prompts(1)
+        return refl_run(b, family, params, prompts, metadata, **step)
+    return grpo_run(b, family, params, phase)
+
+
+def checkpointing(args: argparse.Namespace, phase: str) -> tuple[bool, ...]:
+    """The gradient checkpointing settings `phase` is counted at: GRPO's sampling once, off (no grad: checkpointing
+    changes nothing)."""
+    return (False,) if phase == "grpo_sample" else CHECKPOINTING[args.checkpointing]
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    """--out, --refl_steps, --refl_k and --checkpointing, as every family's script takes them."""
+    """--out, --resolutions, --phases, --refl_steps, --refl_k, --grpo_steps and --checkpointing, as every family's
+    script takes them."""
     parser.add_argument("--out", required=True)
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[512, 1024])
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--refl_steps", type=int, default=40)
     parser.add_argument("--refl_k", type=int, default=35)
+    parser.add_argument(
+        "--grpo_steps", type=int, default=6, help="GRPO's sampling steps (Flow-GRPO's FLUX.1 6)."
+    )
     parser.add_argument("--checkpointing", choices=tuple(CHECKPOINTING), default="both")
 
 
@@ -146,13 +181,17 @@ def new_results(module: str, argv: list[str] | None, parameters: dict[str, int],
 
 
 def bench_config(args: argparse.Namespace, resolution: int, gc: bool, **fields) -> BenchConfig:
-    """The count's settings: bf16 on meta (as CUDA would allocate), `args`' rollout, gradient checkpointing `gc`."""
+    """The count's settings: bf16 on meta (as CUDA would allocate), `args`' ReFL rollout and GRPO steps (one image
+    sampled and trained per batch), gradient checkpointing `gc`; `fields` (e.g. ddpo_guidance_scale) as given."""
     return BenchConfig(
         dtype="bf16",
         device="cpu",
         resolution=resolution,
         refl_steps=args.refl_steps,
         refl_k=args.refl_k,
+        ddpo_steps=args.grpo_steps,
+        ddpo_sample_batch_size=1,
+        ddpo_train_batch_size=1,
         gradient_checkpointing=gc,
         memory_only=True,
         **fields,

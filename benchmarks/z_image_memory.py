@@ -3,12 +3,16 @@ device, CUDA's autocast and attention kernels, setup, a warm-up run, the peak of
 
     python -m benchmarks.z_image_memory --out benchmarks/results/z_image_memory --refl_steps 4 --refl_k 3
 
-One case is one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps
-steps, step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward) at batch 1, bf16, LoRA rank 4 on the
-family's default targets, CFG off (ReFL's rollout; Z-Image-Turbo's sampling), counted at each --resolutions with
-gradient checkpointing off and on (the transformer's, the VAE's and ImageReward's), the text encoder on the device;
-the peak with it offloaded (--offload_text_encoders) is derived from the count, as benchmarks/qwen_memory.py's.
-Z-Image and Z-Image-Turbo have the same parts: one count serves both.
+At batch 1, bf16, LoRA rank 4 on the family's default targets, at each --resolutions, the text encoder on the device
+(the peak with it offloaded, --offload_text_encoders, is derived from the count, as benchmarks/qwen_memory.py's),
+three passes (--phases; family_memory.PHASES):
+- "refl": one ReFL optimizer step (refl_ddpo.trainers.backprop.refl_step as the trainer calls it: --refl_steps steps,
+  step --refl_k with grad, predicted x0 decoded by the VAE, ImageReward), CFG off (ReFL's rollout; Z-Image-Turbo's
+  sampling). Z-Image and Z-Image-Turbo have the same parts: one count serves both.
+- "grpo_sample" and "grpo_train": GRPO's sampling of one image (--grpo_steps flow-SDE steps, log-probs, decode) and
+  its training pass over it (every step, PPO-clip), as benchmarks/cases.py counts FLUX.1's; Z-Image with CFG (the
+  pipeline's default guidance), Z-Image-Turbo without.
+Gradient checkpointing off and on (the transformer's, the VAE's and ImageReward's); GRPO's sampling only off (no grad).
 
 Models: the published Tongyi-MAI/Z-Image(-Turbo) configs kept in benchmarks/configs (z_image_transformer.json, the
 6.15B single-stream DiT; z_image_text_encoder.json, Qwen3-4B's, built as the pipeline's Qwen3Model; the VAE is
@@ -90,48 +94,61 @@ def _family(b, configs: dict[str, dict]):
     pipe = ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**BASE_SCHEDULER), tokenizer=tokenizer, **parts
     )
-    return BenchZImage(pipe), params, b.prompts(1)
+    return BenchZImage(pipe), params
 
 
-def refl_case(configs: dict[str, dict]) -> Case:
-    """One ReFL optimizer step on Z-Image (see the module doc)."""
+# variant -> GRPO's guidance scale (the kit's s: the base's pipeline default g = 5 is s = 6; the Turbo: CFG off)
+GRPO_GUIDANCE = {"z_image": 6.0, "z_image_turbo": 1.0}
+
+
+def case(configs: dict[str, dict], phase: str, variant: str = "z_image") -> Case:
+    """One count on Z-Image (see the module doc): `phase` one of family_memory.PHASES."""
 
     def setup(b):
-        family, params, (prompts, metadata) = _family(b, configs)
+        family, params = _family(b, configs)
         b.text_encoder_bytes = fm.text_encoder_bytes(family)
         b.text_encoder_family = family
-        return fm.refl_run(b, family, params, prompts, metadata)
+        return fm.phase_run(b, family, params, phase)
 
-    settings = {"mode": "lora", "batch": 1, "model": "z-image", "text_encoder_on_device": True}
-    return Case("z_image_refl lora b1", "z_image_refl", "optimizer step", 1, settings, setup)
+    model = "z-image" if phase == "refl" else variant.replace("_", "-")
+    settings = {"mode": "lora", "batch": 1, "model": model, "phase": phase, "text_encoder_on_device": True}
+    if phase != "refl":
+        settings["guidance_scale"] = GRPO_GUIDANCE[variant]
+    bench = f"{variant}_{phase}"
+    return Case(f"{bench} lora b1", bench, "optimizer step" if phase == "refl" else phase, 1, settings, setup)
+
+
+def _jobs(args: argparse.Namespace, configs: dict[str, dict]):
+    """(bench config, case, fields) of every count: ReFL once for both models (the same parts, CFG off), GRPO's
+    passes for each (the base with CFG, the Turbo without)."""
+    for res in args.resolutions:
+        for phase in args.phases:
+            for variant in ("z_image",) if phase == "refl" else tuple(GRPO_GUIDANCE):
+                for gc in fm.checkpointing(args, phase):
+                    guidance = {} if phase == "refl" else {"ddpo_guidance_scale": GRPO_GUIDANCE[variant]}
+                    fields = {"gradient_checkpointing": gc, "resolution": res, "phase": phase}
+                    yield fm.bench_config(args, res, gc, **guidance), case(configs, phase, variant), fields
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     fm.add_common_args(parser)
-    parser.add_argument("--resolutions", type=int, nargs="+", default=[512, 1024])
     args = parser.parse_args(argv)
     configs = z_image_configs()
     results = fm.new_results("benchmarks.z_image_memory", argv, parameter_counts(), dtype="bf16")
-    lines = fm.table_head(["resolution"], derived_offload=True)
+    lines = fm.table_head(["model", "pass", "resolution"], derived_offload=True)
     footer = (
-        f"\n- Computed on the meta device, not measured: Z-Image architecture, bf16, a ReFL rollout of "
-        f"{args.refl_steps} steps with grad at step {args.refl_k}, LoRA rank 4. Weights: what is live before the "
-        "counted run (weights and AdamW states). Text encoder off the device (derived, not counted): the peak less "
-        "its weights (it runs before the rollout, whose backward holds the peak).\n"
+        f"\n- Computed on the meta device, not measured: Z-Image architecture, bf16, batch 1, LoRA rank 4; ReFL: a "
+        f"rollout of {args.refl_steps} steps with grad at step {args.refl_k}, CFG off (one count for both models); "
+        f"GRPO: {args.grpo_steps} flow-SDE steps, the base with CFG (guidance {GRPO_GUIDANCE['z_image']}), the "
+        "Turbo without. Weights: what is live before the counted run (weights and AdamW states). Text encoder off "
+        "the device (derived, not counted): the peak less its weights.\n"
     )
-    jobs = (
-        (
-            fm.bench_config(args, res, gc),
-            refl_case(configs),
-            {"gradient_checkpointing": gc, "resolution": res},
-        )
-        for res in args.resolutions
-        for gc in fm.CHECKPOINTING[args.checkpointing]
-    )
-    for r in fm.counts(jobs):
+    for r in fm.counts(_jobs(args, configs)):
         results["cases"].append(r)
-        fm.record(args.out, results, lines, [str(r["resolution"]), *fm.gib_cells(r, True)], footer)
+        model = r["settings"]["model"] if r["phase"] != "refl" else "z-image, z-image-turbo"
+        cells = [model, r["phase"], str(r["resolution"]), *fm.gib_cells(r, True)]
+        fm.record(args.out, results, lines, cells, footer)
     return results
 
 

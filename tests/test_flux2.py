@@ -317,12 +317,28 @@ def test_flow_factory_presets_keep_their_sources_numbers_and_train_on_the_tiny_m
 
 def test_memory_benchmark_configs_are_flux2s_published_sizes():
     """benchmarks/configs/flux2*.json (diffusers' conversion script's configs) build the published sizes on meta: the
-    32 B [dev] transformer, the 4 B and 9 B [klein] ones, the 84 M VAE."""
+    32 B [dev] transformer, the 4 B and 9 B [klein] ones, the 84 M VAE; and the text encoders as the pipelines'
+    classes build them: Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration, its vision tower included, the LM
+    head tied to the embeddings as this transformers ties it), Qwen3-4B (tied head) and Qwen3-8B (own head)."""
     from benchmarks.flux2_memory import parameter_counts
 
     assert parameter_counts() == {
         "flux2_dev": 32_223_281_152,
+        "flux2_dev_text_encoder": 23_340_272_640,
         "flux2_klein_4b": 3_875_544_576,
+        "flux2_klein_4b_text_encoder": 4_022_468_096,
         "flux2_klein_9b": 9_078_581_248,
+        "flux2_klein_9b_text_encoder": 8_190_735_360,
         "vae": 84_046_115,
     }
+
+
+def test_memory_benchmark_text_encoders_fit_their_transformers():
+    """Each text encoder's three stacked hidden states are its transformer's text width (joint_attention_dim)."""
+    from benchmarks.family_memory import load_config
+    from benchmarks.flux2_memory import FLUX2_MODELS
+
+    for transformer, _, _, encoder in FLUX2_MODELS.values():
+        text = load_config(encoder)
+        width = text.get("text_config", text)["hidden_size"]
+        assert load_config(transformer)["joint_attention_dim"] == 3 * width
