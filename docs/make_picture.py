@@ -53,19 +53,10 @@ def picture(runs: list[list[dict]], labels: list[str], per_prompt: int, title: s
     canvas = Image.new("RGB", (width, head_h + row_h * len(prompts)), "white")
     draw = ImageDraw.Draw(canvas)
     accuracy = [sum(k[(r["prompt"], r["seed"])]["colour_ok"] for r in first) / len(first) for k in by_key]
+    named = ", ".join(f"{name} {a:.0%}" for name, a in zip(labels, accuracy, strict=True))
+    head = f"colour accuracy {named} ({len(first)} images each; green bar: the colour is the prompt's)"
     draw.text((pad, pad), title, fill="black", font=font(16))
-    draw.text(
-        (pad, pad + 22),
-        "colour accuracy "
-        + (
-            " -> ".join(f"{a:.0%}" for a in accuracy)
-            if len(runs) == 2
-            else ", ".join(f"{name} {a:.0%}" for name, a in zip(labels, accuracy, strict=True))
-        )
-        + f" ({len(first)} images each; green bar: the colour is the prompt's)",
-        fill="black",
-        font=font(13),
-    )
+    draw.text((pad, pad + 22), head, fill="black", font=font(13))
     for side_i, name in enumerate(labels):
         x = label_w + side_i * (per_prompt * col_w + pad)
         draw.text((x, head_h - 16), name, fill="black", font=font(13))
