@@ -31,11 +31,16 @@ import math
 import time
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from refl_ddpo.core.errors import UserError
+
+if (
+    TYPE_CHECKING
+):  # torch is imported where it is used: the reward server's HTTP process decodes with numpy alone
+    import torch
 
 TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU can take a while)
 RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers
@@ -48,6 +53,8 @@ MAX_ERROR_CHARS = 300
 
 def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
     """images [B, 3, H, W] in [0, 1] -> the JSON object of the wire format (raw bytes, base64)."""
+    import torch
+
     x = images.detach().float().cpu()
     if dtype == "uint8":
         arr = (x.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
@@ -59,6 +66,13 @@ def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
 
 def decode_images(obj) -> torch.Tensor:
     """The wire format's IMAGES -> float32 [B, 3, H, W] in [0, 1]; ValueError with one line for anything else."""
+    import torch
+
+    return torch.from_numpy(decode_array(obj))
+
+
+def decode_array(obj) -> np.ndarray:
+    """decode_images as a numpy array (float32 [B, 3, H, W] in [0, 1], C-order)."""
     if not isinstance(obj, dict):
         raise ValueError("'images' must be an object with 'encoding' raw or png")  # noqa: TRY004 (a 400)
     encoding = obj.get("encoding", "raw")
@@ -79,7 +93,9 @@ def decode_images(obj) -> torch.Tensor:
             raise ValueError("png images must all have the same size")
         # contiguous [B, 3, H, W], as the raw encoding gives: a reward then scores a PNG as it scores the same pixels
         # sent raw (a channels-last view rounds differently in the resize before a model, by up to about 1e-6)
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().float() / 255
+        return np.ascontiguousarray(np.stack(arrays).transpose(0, 3, 1, 2)).astype(np.float32) / np.float32(
+            255
+        )
     if encoding != "raw":
         raise ValueError(f"unknown image encoding {encoding!r} (raw or png)")
     dtype, shape = obj.get("dtype"), obj.get("shape")
@@ -100,12 +116,13 @@ def decode_images(obj) -> torch.Tensor:
     if len(raw) != math.prod(shape) * np_dtype.itemsize:
         raise ValueError(f"raw images: {len(raw)} bytes do not hold {dtype} of shape {shape}")
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-    x = torch.from_numpy(arr.copy())
-    return x.float() / 255 if dtype == "uint8" else x
+    return arr.astype(np.float32) / np.float32(255) if dtype == "uint8" else arr.copy()
 
 
 def jsonable_info(info: dict, batch: int) -> dict:
     """The info dict's scalars and (B,) tensors as JSON numbers; other entries are left out."""
+    import torch
+
     out = {}
     for key, value in info.items():
         if torch.is_tensor(value):
@@ -197,6 +214,8 @@ class RemoteReward:
         return answer
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        import torch
+
         batch = len(images)
         answer = self._request(
             "/score",

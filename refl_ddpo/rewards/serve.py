@@ -31,6 +31,7 @@ import json
 import re
 import signal
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from refl_ddpo.core.errors import UserError, cli_main
@@ -41,13 +42,14 @@ NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def parse_request(body: bytes):
-    """A POST /score body -> (images [B, 3, H, W], prompts, metadata); ValueError (a 400) if it is malformed."""
-    from refl_ddpo.rewards.remote import decode_images
+    """A POST /score body -> (images float32 [B, 3, H, W], prompts, metadata); ValueError (a 400) if it is
+    malformed. numpy only: the HTTP process never imports torch."""
+    from refl_ddpo.rewards.remote import decode_array
 
     request = json.loads(body)
     if not isinstance(request, dict):
         raise ValueError("the body must be a JSON object")  # noqa: TRY004 (a 400)
-    images = decode_images(request.get("images"))
+    images = decode_array(request.get("images"))
     prompts = request.get("prompts")
     metadata = request.get("metadata") or [{} for _ in range(len(images))]
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -127,7 +129,7 @@ def make_handler(workers: dict[str, RewardWorker]):
             except ValueError as e:  # JSONDecodeError is a ValueError
                 self._send(400, {"error": str(e).splitlines()[0][:300]})
                 return
-            self._send(*worker.score(images.numpy(), prompts, metadata))
+            self._send(*worker.score(images, prompts, metadata))
 
     return Handler
 
@@ -280,8 +282,11 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         server.server_close()
-        for worker in workers.values():
-            worker.stop()
+        stops = [threading.Thread(target=w.stop) for w in workers.values()]  # each may wait for its process
+        for t in stops:
+            t.start()
+        for t in stops:
+            t.join()
 
 
 if __name__ == "__main__":
