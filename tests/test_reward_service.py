@@ -294,7 +294,7 @@ def test_a_killed_worker_answers_its_reward_only(service):
     first = s.health("red")[1]["pid"]
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(post, s.url + "/red/score", x, ["slow", "b"])
-        time.sleep(1.0)  # the worker is inside the reward's 2 s
+        time.sleep(2.0)  # the worker is inside the reward's 5 s (after the 0.3 s window)
         os.kill(first, signal.SIGKILL)
         code, answer = slow.result(timeout=30)
     assert code == 503 and "\n" not in answer["error"], answer

@@ -80,11 +80,11 @@ proxy_schedule.differentiable = True
 
 
 def slow_redness(images, prompts, metadata):
-    """redness, taking 2 s over a batch with the prompt "slow": the reward server's tests kill its worker mid-call."""
+    """redness, taking 5 s over a batch with the prompt "slow": the reward server's tests kill its worker mid-call."""
     import time
 
     if "slow" in prompts:
-        time.sleep(2.0)
+        time.sleep(5.0)
     return redness(images, prompts, metadata)
 
 

@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(args, sys.stdin.buffer, out)
     except (BrokenPipeError, KeyboardInterrupt):  # the server has gone
         pass
+    sys.stderr.flush()
+    os._exit(0)  # nothing is left to save: skip the seconds an interpreter with a model loaded takes to tear down
 
 
 if __name__ == "__main__":
