@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     except (BrokenPipeError, KeyboardInterrupt):  # the server has gone
         pass
     sys.stderr.flush()
-    os._exit(0)  # nothing is left to save: skip the seconds an interpreter with a model loaded takes to tear down
+    os._exit(
+        0
+    )  # nothing is left to save: skip the seconds an interpreter with a model loaded takes to tear down
 
 
 if __name__ == "__main__":
