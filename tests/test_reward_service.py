@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from user_functions import redness
@@ -25,7 +26,7 @@ from refl_ddpo.rewards import build_reward
 from refl_ddpo.rewards.jpeg import jpeg_size_kb
 from refl_ddpo.rewards.remote import encode_images
 from refl_ddpo.rewards.serve import check_args, parse_args, parse_rewards, route
-from refl_ddpo.rewards.serve_workers import resolve_python, split_info
+from refl_ddpo.rewards.serve_workers import RewardWorker, WorkerSettings, resolve_python, split_info
 
 REPO = Path(__file__).resolve().parent.parent
 FAST = {"remote": {"retries": 1, "backoff": 0.05, "timeout": 10.0}}
@@ -232,6 +233,25 @@ def test_reward_flags_and_routes():
     assert route("/health", workers) == (None, "health", "")
     assert "several rewards (a, b)" in route("/score", workers)[2]
     assert route("/score", {"a": "A"}) == ("A", "score", "")
+
+
+def test_a_reward_that_does_not_load_is_down_in_one_line():
+    """A spec the server could not check (its worker runs under another python) fails in the worker: the reward
+    is down with the worker's one line, its requests answered 503 at once; stop removes the kit's temporary path."""
+    worker = RewardWorker("broken", "nope", WorkerSettings(device="cpu"), python=sys.executable)
+    kit_path = Path(worker._kit_path)
+    assert (kit_path / "refl_ddpo" / "rewards" / "serve_worker.py").is_file()
+    worker.start()
+    try:
+        wait_for(lambda: worker.status == "down", timeout=60, what="the broken worker")
+        health = worker.health()
+        assert health["error"].startswith("reward 'broken': did not load: --reward: unknown reward 'nope'")
+        assert "\n" not in health["error"] and health["pid"] is None
+        code, answer = worker.score(np.zeros((1, 3, 8, 8), np.float32), ["a"], [{}])
+        assert code == 503 and answer["error"].startswith("reward 'broken' is down: did not load")
+    finally:
+        worker.stop()
+    assert not kit_path.exists()
 
 
 def test_a_merged_batchs_info_is_split():

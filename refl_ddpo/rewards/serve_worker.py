@@ -61,12 +61,12 @@ def _first_line(e: BaseException) -> str:
 
 def _load(args: argparse.Namespace):
     """The reward of args.reward and whether it is differentiable (an unknown name or a missing file: UserError)."""
-    import torch
-
     from refl_ddpo.rewards import build_reward, check_reward_files, is_differentiable
 
-    differentiable = is_differentiable(args.reward)
+    differentiable = is_differentiable(args.reward)  # a wrong spec fails before torch loads
     check_reward_files(args.reward, args.reward_model_dir)
+    import torch
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     reward = build_reward(args.reward, device, getattr(torch, args.dtype), args.reward_model_dir)
     return reward, device, differentiable

@@ -153,8 +153,9 @@ class RewardWorker:
             self._stopping = True
             self._fail_pending("the server is stopping")
             self._cond.notify_all()
-        if self._proc is not None:
-            _end_process(self._proc)
+            proc = self._proc  # one started after this is ended by _launch itself
+        if proc is not None:
+            _end_process(proc)
         self._thread.join(timeout=STOP_S)
         if self._kit_path:
             shutil.rmtree(self._kit_path, ignore_errors=True)
@@ -186,8 +187,10 @@ class RewardWorker:
             proc = subprocess.Popen(self._command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             with self._cond:
                 self._proc = proc
-                if self._stopping:
-                    return
+                stopping = self._stopping
+            if stopping:
+                _end_process(proc)
+                return
             try:
                 ready, _ = read_frame(proc.stdout)
                 break
