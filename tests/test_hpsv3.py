@@ -2,6 +2,7 @@
 HPSv3 (tests/fixtures/hpsv3_tiny, made by its make_hpsv3_tiny.py in the package's environment), its text token by
 token, and fails with one-line errors on missing or mismatched files and bad images."""
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from refl_ddpo import rewards
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.rewards import hpsv3 as hps
 from refl_ddpo.rewards import hpsv3_model
+from refl_ddpo.testing.tiny_rewards import write_hpsv3
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hpsv3_tiny"
 
@@ -40,6 +42,14 @@ def _user_error(fn, *expected: str) -> str:
 
 
 # ---- the reference numbers ----
+
+
+def test_fixture_files_are_the_recorded_ones():
+    lines = (FIXTURE / "SHA256SUMS").read_text().splitlines()
+    assert len(lines) == 12
+    for line in lines:
+        digest, name = line.split()
+        assert hashlib.sha256((FIXTURE / name).read_bytes()).hexdigest() == digest, name
 
 
 @pytest.mark.parametrize("case", ["square", "wide", "square_one"])
@@ -116,6 +126,63 @@ def test_model_is_frozen_in_eval_mode(loaded):
     assert not any(m.training for m in model.modules())
     assert not any(p.requires_grad for p in model.parameters())
     assert model.rm_head[0].weight.dtype == torch.float32
+
+
+def test_write_hpsv3_is_the_fixtures_layout(tmp_path):
+    folder = write_hpsv3(tmp_path)
+    own, fixture = load_file(folder / "HPSv3.safetensors"), load_file(FIXTURE / "HPSv3.safetensors")
+    assert {k: v.shape for k, v in own.items()} == {k: v.shape for k, v in fixture.items()}
+    rewards.check_reward_files("hpsv3", str(folder))
+    reward_fn = hps.hpsv3(torch.device("cpu"), torch.float32, str(folder))
+    images = torch.rand(4, 3, 32, 48, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    got, info = reward_fn(images, ["a cat", "a red car", "a cat", "two dogs"], [{}] * 4)
+    assert got.shape == info["sigma"].shape == (4,) and torch.isfinite(got).all() and got.std() > 1e-3
+    got.sum().backward()
+    assert images.grad.abs().sum() > 0
+    again = load_file(write_hpsv3(tmp_path / "again") / "HPSv3.safetensors")
+    assert all(torch.equal(own[k], again[k]) for k in own)
+
+
+def test_gradient_checkpointing_recomputes_and_changes_nothing(io):
+    model, tokenizer = hps.load(FIXTURE)
+    calls = {"vit": 0, "text": 0}
+
+    def counter(name):
+        return lambda *_: calls.__setitem__(name, calls[name] + 1)
+
+    # Hooks inside the checkpointed blocks fire again when a block is recomputed in backward.
+    model.visual.blocks[0].mlp.fc1.register_forward_hook(counter("vit"))
+    model.language_model.layers[0].mlp.up_proj.register_forward_hook(counter("text"))
+    ref = io["square_one"]
+    images = ref["images"].clone().requires_grad_()
+    reward_fn = hps.reward_from_model(model, tokenizer)
+
+    def reward_and_grad():
+        r, _ = reward_fn(images, ref["prompts"], [{}])
+        return r.detach(), torch.autograd.grad(r.sum(), images)[0]
+
+    plain = reward_and_grad()
+    assert calls == {"vit": 1, "text": 1}
+    model.set_gradient_checkpointing(True)
+    model.eval()  # stays checkpointed: the towers' train mode is part of the checkpointing state
+    checkpointed = reward_and_grad()
+    assert calls == {"vit": 3, "text": 3}  # forward + recompute in backward
+    torch.testing.assert_close(checkpointed, plain, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert not reward_fn(images, ref["prompts"], [{}])[0].requires_grad
+    model.set_gradient_checkpointing(False)
+    assert not any(m.training for m in model.modules())
+
+
+def test_refl_flags_reach_hpsv3():
+    from refl_ddpo.trainers.refl import ReFLConfig
+
+    ReFLConfig(reward="hpsv3", reward_gradient_checkpointing=True).check()
+    _user_error(lambda: ReFLConfig(reward="hpsv3", reward_antialias=False).check(), "applies to ImageReward")
+    _user_error(
+        lambda: ReFLConfig(reward="aesthetic", reward_gradient_checkpointing=True).check(),
+        "ImageReward and HPSv3",
+    )
 
 
 # ---- one-line errors ----

@@ -85,6 +85,7 @@ def _read_config(base: Path, vocab_size: int):
             f"cannot read {base / 'config.json'} as a Qwen2-VL config ({first_line}; {_HELP})."
         ) from None
     config.text_config.vocab_size = vocab_size
+    config.text_config.attention_dropout = 0.0  # Qwen2-VL's own; checkpointing runs the towers in train mode
     config.text_config._attn_implementation = "sdpa"
     config.vision_config._attn_implementation = "sdpa"
     return config
@@ -190,9 +191,14 @@ def tokenize(tokenizer, prompts: list[str], image_tokens: int) -> tuple[torch.Te
 # ---- the reward ----
 
 
-def hpsv3(device: torch.device, dtype: torch.dtype, model_dir: str) -> RewardFn:
-    """HPSv3's mu of each image for its prompt (sigma in info["sigma"]); keeps the graph back to `images`."""
+def hpsv3(
+    device: torch.device, dtype: torch.dtype, model_dir: str, gradient_checkpointing: bool = False
+) -> RewardFn:
+    """HPSv3's mu of each image for its prompt (sigma in info["sigma"]); keeps the graph back to `images`.
+    `gradient_checkpointing` recomputes both towers' activations in backward."""
     model, tokenizer = load(model_dir, device, dtype)
+    if gradient_checkpointing:
+        model.set_gradient_checkpointing(True)
     return reward_from_model(model, tokenizer)
 
 

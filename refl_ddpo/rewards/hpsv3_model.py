@@ -152,12 +152,36 @@ class HPSv3Model(nn.Module):
         self.rm_head = reward_head(language_model.config.hidden_size)
         self.reward_token_id = reward_token_id
         self.image_token_id = image_token_id
+        self._checkpointing = False
         self.requires_grad_(False)
         self.train()
 
     def train(self, mode: bool = True) -> HPSv3Model:
-        """The reward is frozen: it stays in eval mode whatever `mode` says."""
-        return super().train(False)
+        """The reward is frozen: it stays in eval mode whatever `mode` says.
+
+        Exception: with gradient checkpointing on, the two towers are in train mode, because transformers only
+        checkpoints a training module; they have no dropout (attention_dropout is 0), so the numbers do not change.
+        """
+        super().train(False)
+        if self._checkpointing:
+            self.visual.train(True)
+            self.language_model.train(True)
+        return self
+
+    def set_gradient_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each vision block and each decoder layer in backward instead of keeping their activations."""
+        for tower in (self.visual, self.language_model):
+            if enable:
+                tower.activation_checkpointing_enable(
+                    activation_checkpointing_kwargs={"use_reentrant": False}
+                )
+                # That call may hook the embeddings to require grad (only reentrant checkpointing needs it); undo
+                # it so that rewards of images without grad carry no graph.
+                tower.disable_input_require_grads()
+            elif self._checkpointing:
+                tower.activation_checkpointing_disable()
+        self._checkpointing = enable
+        self.train()
 
     @property
     def dtype(self) -> torch.dtype:
