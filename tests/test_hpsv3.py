@@ -174,6 +174,17 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(io):
     assert not any(m.training for m in model.modules())
 
 
+def test_bf16_close_to_fp32(io):
+    # Qwen2-VL in bf16 (the package's bf16 casts the whole model, rotary buffers too), the head in float32.
+    model, tokenizer = hps.load(FIXTURE, dtype=torch.bfloat16)
+    assert model.language_model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.rm_head[0].weight.dtype == torch.float32
+    ref = io["square"]
+    got, info = hps.reward_from_model(model, tokenizer)(ref["images"], ref["prompts"], [{}] * 3)
+    assert got.dtype == info["sigma"].dtype == torch.float32
+    torch.testing.assert_close(got, ref["logits"][:, 0], atol=0.05, rtol=0)  # measured 0.009
+
+
 def test_refl_flags_reach_hpsv3():
     from refl_ddpo.trainers.refl import ReFLConfig
 
