@@ -77,6 +77,12 @@ class InferenceConfig(ConfigBase):
         str(DEFAULT_PROMPTS_FILE),
         "Prompts: one per line, or a JSON list of strings / {'prompt'|'text': ...} objects.",
     )
+    edit_data: str | None = field_(
+        None,
+        "Image editing (FLUX.1 Kontext): a JSONL of {'image': path or [paths], 'instruction': ...} lines (paths "
+        "relative to it) or a folder with one as metadata.jsonl; its instructions replace --prompts_file, and each "
+        "record of scores.json names its source image(s) and instruction.",
+    )
     seed: int = field_(
         42, "Image j of prompt i uses its own generator seeded seed + i * num_images_per_prompt + j."
     )

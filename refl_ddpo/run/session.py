@@ -76,6 +76,10 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     check_pretrained_model(cfg.pretrained_model)
     cfg = resolve_guidance(resolve_lora_targets(cfg))
     check_reward_files(cfg.reward, cfg.reward_model_dir)
+    if cfg.edit_data:
+        from refl_ddpo.core.edit_data import load_edit_data
+
+        load_edit_data(cfg.edit_data)  # every image opened, its size checked
     check_validation_prompts(cfg)
     check_guard(cfg)
     check_push(cfg)

@@ -9,7 +9,7 @@ writes
     OUT/tiny-sdxl/          Stable Diffusion XL layout (UNet with added text / time conditions, vae, text_encoder
                             and text_encoder_2 with their tokenizers, Euler scheduler)
     OUT/tiny-flux/, OUT/tiny-flux-schnell/   FLUX.1 layout, dev-like (guidance embedding) and schnell-like
-                            (refl_ddpo.testing.tiny_flux)
+                            (refl_ddpo.testing.tiny_flux); OUT/tiny-flux-kontext/: FLUX.1 Kontext (editing)
     OUT/tiny-qwen-image/    Qwen-Image layout: Qwen2.5-VL text encoder and Qwen2 tokenizer built offline,
                             the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen)
     OUT/tiny-z-image/, OUT/tiny-z-image-turbo/   Z-Image layout: Qwen3 text encoder and Qwen2 tokenizer built
@@ -305,6 +305,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     write_tiny_stable_diffusion_3(out, seed)
     write_tiny_stable_diffusion_xl(out, seed)
     tiny_flux.write_tiny_flux(out, seed)
+    tiny_flux.write_tiny_flux_kontext(out, seed)
     tiny_qwen.write_tiny_qwen_image(out, seed)
     tiny_zimage.write_tiny_z_image(out, seed)
     tiny_flux2.write_tiny_flux2(out, seed)

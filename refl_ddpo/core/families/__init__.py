@@ -22,6 +22,7 @@ FAMILIES = {
     "StableDiffusion3Pipeline": ("refl_ddpo.core.families.sd3", "StableDiffusion3"),
     "StableDiffusionXLPipeline": ("refl_ddpo.core.families.sdxl", "StableDiffusionXL"),
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
+    "FluxKontextPipeline": ("refl_ddpo.core.families.flux_kontext", "FluxKontext"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
@@ -71,7 +72,7 @@ def load_family(
 
     pipeline_class = pipeline_class_name(name)
     cls = family_class(pipeline_class).variant(name)
-    if drop_t5 and pipeline_class == "FluxPipeline":
+    if drop_t5 and pipeline_class in ("FluxPipeline", "FluxKontextPipeline"):
         raise UserError(
             f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
             "so it cannot run without it; leave --drop_t5 off."

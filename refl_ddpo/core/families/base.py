@@ -238,6 +238,14 @@ class ModelFamily(ABC):
         with self.text_encoders_on_device():
             return self.run_text_encoders(prompts, with_negative)
 
+    def encode_conditioning(
+        self, prompts: list[str], metadata: list[dict] | None, with_negative: bool
+    ) -> tuple[Cond, Cond | None]:
+        """`encode_prompts` and whatever else of the samples the family conditions on: an edit family adds its
+        source images' latents (each sample's `metadata["source_images"]`, refl_ddpo.core.edit_data) to the
+        conditioning; a text-to-image family reads the prompts alone."""
+        return self.encode_prompts(prompts, with_negative)
+
     @abstractmethod
     def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:
         """`encode_prompts` with the text encoders where they are: the family's call of the pipeline's
