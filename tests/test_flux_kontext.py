@@ -249,6 +249,30 @@ def test_trainer_runs_two_steps_on_edits(trainer, tiny_models, kontext, tmp_path
     watch.assert_lora_moved_and_base_not(out)
     if trainer in ("refl", "grpo"):
         _assert_lora_changes_stock_edits(kontext, out)
+    if trainer == "grpo":
+        _assert_compare_shows_source_before_after(tiny_models, out, common["edit_data"], tmp_path)
+
+
+def _assert_compare_shows_source_before_after(tiny_models, lora_dir, edit_data, tmp):
+    """Before / after inference on the edits with their scores, and the comparison: a row of source | before |
+    after per pair, each pair naming its source."""
+    from refl_ddpo.apps import compare, inference
+
+    common = ["--edit_data", str(edit_data), "--reward_model_dir", str(tiny_models), "--device", "cpu"]
+    common += ["--num_inference_steps", "3", "--num_images_per_prompt", "1", "--resolution", str(RES)]
+    common += ["--rewards", "jpeg_compressibility,edit_preserve", "--guidance_scale", "3.5"]
+    before, after = tmp / "before", tmp / "after"
+    inference.main_base(
+        ["--pretrained_model", str(tiny_models / MODEL), "--output_dir", str(before), *common]
+    )
+    inference.main_lora(["--lora_dir", str(lora_dir), "--output_dir", str(after), *common])
+    result = compare.run_compare(str(before), str(after), str(tmp / "cmp"))
+    assert [p["source_image"] for p in result["pairs"]] == [
+        [str(edit_data.parent / n)] for n in ("a.png", "b.png")
+    ]
+    assert result["per_reward"]["edit_preserve"]["mean_difference"] != 0
+    with Image.open(tmp / "cmp" / "compare.png") as im:
+        assert im.width == 2 * 3 * 192  # two pairs a row, three cells each
 
 
 def _assert_lora_changes_stock_edits(pipe, lora_dir):

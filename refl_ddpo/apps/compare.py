@@ -176,6 +176,9 @@ def compare_runs(
         }
         for b, a in pairs
     ]
+    for pair, (b, _) in zip(result["pairs"], pairs, strict=True):
+        if "source_image" in b:  # an edit: its source image(s) and instruction (inference's --edit_data)
+            pair["source_image"] = b["source_image"]
     result.update(per_reward[primary])
     result["per_reward"] = per_reward
     return result
@@ -292,8 +295,8 @@ def run_compare(
     seed: int = 0,
     max_pairs: int = 32,
 ) -> dict:
-    """compare.png (a header of statistics, then before | after per prompt and seed with their scores) and
-    compare.json for two run folders."""
+    """compare.png (a header of statistics, then before | after per prompt and seed with their scores; source |
+    before | after for edits) and compare.json for two run folders."""
     from PIL import Image
 
     from refl_ddpo.run.outputs import check_output_dir
@@ -323,6 +326,9 @@ def run_compare(
     if shown:
         cells = []
         for pair in shown:
+            if "source_image" in pair:  # an edit's row: source | before | after
+                with Image.open(pair["source_image"][0]) as im:
+                    cells.append(im.convert("RGB"))
             for side, run_dir in (("before", before_dir), ("after", after_dir)):
                 with Image.open(Path(run_dir) / pair[f"{side}_file"]) as im:
                     cells.append(im.convert("RGB"))  # sizes may differ: each is resized to the cell

@@ -107,7 +107,9 @@ def _check_sizes(edits: list[tuple[str, dict]], where: str) -> tuple[int, int]:
 def load_edit_data(path: str | Path) -> list[tuple[str, dict]]:
     """--edit_data -> [(instruction, metadata with SOURCE_PATHS)], every image opened and its size checked; one-line
     errors naming the line."""
-    file = edit_file(path)
+    file = edit_file(
+        path
+    ).absolute()  # the sources' paths are absolute: scores.json and compare find them anywhere
     where = f"--edit_data {file}"
     lines = read_utf8(file, where).splitlines()
     edits = [
