@@ -312,3 +312,51 @@ def test_inference_names_each_records_source_and_instruction(tiny_models, tmp_pa
         [str(path.parent / "b.png")],
     ]
     json.dumps(result)  # JSON all through: no tensor in the records
+
+
+def test_flow_factory_kontext_preset_keeps_its_numbers_and_trains_on_edits(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    """Flow-Factory's FLUX.1 Kontext example as data (one GPU's share), and a run of it on the tiny folder with
+    --edit_data (smaller batches, fewer steps, one epoch, CPU precision)."""
+    from helpers import train_preset_small
+
+    from refl_ddpo.run.flags import parse_config
+    from refl_ddpo.trainers import grpo
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    cfg = parse_config(GRPOConfig, ["--preset", "flow_factory_flux1_kontext"])
+    assert (cfg.pretrained_model, cfg.reward, cfg.resolution, cfg.sample_num_steps, cfg.sample_eta) == (
+        "black-forest-labs/FLUX.1-Kontext-dev",
+        "pickscore",
+        384,
+        10,
+        0.9,
+    )
+    assert (cfg.sample_guidance_scale, cfg.sde_window, cfg.train_skip_last_steps, cfg.group_size) == (
+        2.5,
+        1,
+        6,
+        16,
+    )
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.learning_rate, cfg.train_clip_range) == (64, 128, 3e-4, 1e-4)
+    small = {
+        "sample_num_steps": 4,
+        "train_skip_last_steps": 2,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "save_freq": 1,
+    }
+    small |= {"validation_num_steps": 2}
+    train_preset_small(
+        monkeypatch,
+        capsys,
+        grpo.main,
+        tiny_models,
+        tmp_path / "out",
+        "flow_factory_flux1_kontext",
+        model=MODEL,
+        resolution=RES,
+        edit_data=_two_edits(tmp_path / "d"),
+        **small,
+    )
