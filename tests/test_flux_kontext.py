@@ -135,6 +135,36 @@ def test_a_trainer_refuses_bad_edit_data_before_loading_and_writes_nothing(tiny_
     assert err.count("\n") == 0 and "multiples of 16" in err
 
 
+def test_edit_data_on_a_model_that_does_not_edit_is_refused_before_loading(tiny_models, tmp_path, capsys):
+    from refl_ddpo.apps import inference
+    from refl_ddpo.trainers import nft
+
+    path = _two_edits(tmp_path / "d")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        nft.main(
+            trainer_flags(tiny_models, out, model="tiny-flux", edit_data=path, device="cpu", report_to="none")
+        )
+    assert e.value.code != 0 and not out.exists()
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "FluxPipeline folder" in err and "FLUX.1 Kontext" in err
+    argv = ["--pretrained_model", str(tiny_models / "stable-diffusion"), "--edit_data", str(path)]
+    with pytest.raises(SystemExit):
+        inference.main_base([*argv, "--output_dir", str(out), "--device", "cpu"])
+    assert "StableDiffusionPipeline folder" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_prompt_fn_may_give_pil_sources(tiny_models):
+    """A user's prompt_fn may put PIL images in metadata["source_images"]: the same latents as the tensors."""
+    family = load_family(str(tiny_models / MODEL))
+    pils = _sources(32, 32)
+    a = family.encode_conditioning(PROMPTS, [{SOURCE_IMAGES: [p]} for p in pils], False)[0]["image_latents"]
+    b = family.encode_conditioning(PROMPTS, [{SOURCE_IMAGES: [_tensor(p)]} for p in pils], False)[0][
+        "image_latents"
+    ]
+    assert torch.equal(a, b)
+
+
 # ---- the family against the stock pipeline ----
 
 

@@ -141,6 +141,10 @@ class InferenceConfig(ConfigBase):
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
+        if self.edit_data:
+            from refl_ddpo.core.families import check_edit_model
+
+            check_edit_model(self.pretrained_model)
 
 
 @dataclass

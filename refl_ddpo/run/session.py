@@ -78,7 +78,9 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     check_reward_files(cfg.reward, cfg.reward_model_dir)
     if cfg.edit_data:
         from refl_ddpo.core.edit_data import load_edit_data
+        from refl_ddpo.core.families import check_edit_model
 
+        check_edit_model(cfg.pretrained_model)
         load_edit_data(cfg.edit_data)  # every image opened, its size checked
     check_validation_prompts(cfg)
     check_guard(cfg)

@@ -94,6 +94,19 @@ def load_family(
     return family
 
 
+def check_edit_model(name: str) -> None:
+    """--edit_data needs a model that edits (FLUX.1 Kontext): one line naming the model's pipeline otherwise, before
+    any weights load."""
+    from refl_ddpo.core.models import pipeline_class_name
+
+    pipeline_class = pipeline_class_name(name)
+    if not family_class(pipeline_class).edits_images:
+        raise UserError(
+            f"--edit_data: {name} is a {pipeline_class} folder, which draws from the prompt alone and would ignore "
+            "the source images; edit with a FLUX.1 Kontext (FluxKontextPipeline) model."
+        )
+
+
 def resolve_lora_targets(cfg):
     """The config with unset --lora_target_modules resolved to the model family's default LoRA targets (chosen from
     model_index.json, before any weights load): a copy, the config itself stays as it was."""

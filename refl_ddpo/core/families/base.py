@@ -81,6 +81,9 @@ class ModelFamily(ABC):
     # The guidance a guidance-distilled network takes as an input (FLUX.1-dev's embedded guidance), as its pipeline
     # sets it by default; None for a family that guides with classifier-free guidance (see default_guidance_scale).
     embedded_guidance_default: ClassVar[float | None] = None
+    # Whether the family conditions on source images (an edit family: `encode_conditioning` reads them), so that
+    # --edit_data is refused before loading for one that would ignore them.
+    edits_images: ClassVar[bool] = False
 
     @classmethod
     def default_guidance_scale(cls, cfg_default: float) -> float:

@@ -32,6 +32,7 @@ from refl_ddpo.core.families.flux import Flux
 class FluxKontext(Flux):
     name = "flux_kontext"
     pipeline_class = "FluxKontextPipeline"
+    edits_images = True
 
     def encode_conditioning(
         self, prompts: list[str], metadata: list[dict] | None, with_negative: bool
