@@ -11,7 +11,8 @@ writes
     OUT/tiny-flux/, OUT/tiny-flux-schnell/   FLUX.1 layout, dev-like (guidance embedding) and schnell-like
                             (refl_ddpo.testing.tiny_flux); OUT/tiny-flux-kontext/: FLUX.1 Kontext (editing)
     OUT/tiny-qwen-image/    Qwen-Image layout: Qwen2.5-VL text encoder and Qwen2 tokenizer built offline,
-                            the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen)
+                            the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen); OUT/tiny-qwen-image-edit-plus/: its
+                            editing pipeline, a Qwen2.5-VL with a vision tower and a Qwen2VLProcessor
     OUT/tiny-z-image/, OUT/tiny-z-image-turbo/   Z-Image layout: Qwen3 text encoder and Qwen2 tokenizer built
                             offline, base-like and Turbo-like schedulers (refl_ddpo.testing.tiny_zimage)
     OUT/tiny-flux2/, OUT/tiny-flux2-klein/, OUT/tiny-flux2-klein-base/   FLUX.2 [dev] and [klein] (distilled, base)
@@ -307,6 +308,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     tiny_flux.write_tiny_flux(out, seed)
     tiny_flux.write_tiny_flux_kontext(out, seed)
     tiny_qwen.write_tiny_qwen_image(out, seed)
+    tiny_qwen.write_tiny_qwen_image_edit_plus(out, seed)
     tiny_zimage.write_tiny_z_image(out, seed)
     tiny_flux2.write_tiny_flux2(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)

@@ -24,6 +24,7 @@ FAMILIES = {
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
     "FluxKontextPipeline": ("refl_ddpo.core.families.flux_kontext", "FluxKontext"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
+    "QwenImageEditPlusPipeline": ("refl_ddpo.core.families.qwen_image_edit", "QwenImageEditPlus"),
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
     "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
@@ -46,6 +47,7 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
 # families whose prompt is read by a decoder LLM, not a T5: --drop_t5 is refused for them
 NO_T5 = {
     "QwenImagePipeline": ("a Qwen-Image", "Qwen2.5-VL"),
+    "QwenImageEditPlusPipeline": ("a Qwen-Image-Edit-Plus", "Qwen2.5-VL"),
     "ZImagePipeline": ("a Z-Image", "Qwen3"),
     "Flux2Pipeline": ("a FLUX.2", "Mistral Small 3.1"),
     "Flux2KleinPipeline": ("a FLUX.2", "Qwen3"),
@@ -103,7 +105,8 @@ def check_edit_model(name: str) -> None:
     if not family_class(pipeline_class).edits_images:
         raise UserError(
             f"--edit_data: {name} is a {pipeline_class} folder, which draws from the prompt alone and would ignore "
-            "the source images; edit with a FLUX.1 Kontext (FluxKontextPipeline) model."
+            "the source images; edit with a FLUX.1 Kontext (FluxKontextPipeline) or Qwen-Image-Edit-Plus "
+            "(QwenImageEditPlusPipeline) model."
         )
 
 
