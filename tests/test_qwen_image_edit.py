@@ -142,3 +142,48 @@ def test_trainer_runs_two_steps_on_edits(trainer, tiny_models, stock_pipe, tmp_p
         finally:
             stock_pipe.unload_lora_weights()
         assert (before - after).abs().max() > 1e-4
+
+
+def test_flow_factory_qwen_edit_preset_keeps_its_numbers_and_trains_on_edits(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    from helpers import train_preset_small
+
+    from refl_ddpo.run.flags import parse_config
+    from refl_ddpo.trainers import grpo
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+
+    cfg = parse_config(GRPOConfig, ["--preset", "flow_factory_qwen_image_edit_plus"])
+    numbers = (cfg.pretrained_model, cfg.reward, cfg.resolution, cfg.sample_num_steps, cfg.sample_eta)
+    assert numbers == ("Qwen/Qwen-Image-Edit-2509", "pickscore", 384, 10, 1.0)
+    assert (
+        cfg.sample_guidance_scale,
+        cfg.sde_window,
+        cfg.train_skip_last_steps,
+        cfg.gradient_checkpointing,
+    ) == (
+        4.0,
+        1,
+        6,
+        True,
+    )
+    small = {
+        "sample_num_steps": 4,
+        "train_skip_last_steps": 2,
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "save_freq": 1,
+    }
+    small |= {"validation_num_steps": 2}
+    train_preset_small(
+        monkeypatch,
+        capsys,
+        grpo.main,
+        tiny_models,
+        tmp_path / "out",
+        "flow_factory_qwen_image_edit_plus",
+        model=MODEL,
+        resolution=RES,
+        edit_data=_two_edits(tmp_path / "d"),
+        **small,
+    )

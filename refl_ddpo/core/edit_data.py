@@ -1,4 +1,5 @@
-"""Edit data: (instruction, source image(s), metadata) for the image-editing families (FLUX.1 Kontext).
+"""Edit data: (instruction, source image(s), metadata) for the image-editing families (FLUX.1 Kontext,
+Qwen-Image-Edit-Plus).
 
 `--edit_data FILE` is a JSONL file, one edit per line:
 
