@@ -49,6 +49,11 @@ def pairs_per_row(count: int) -> int:
     return min(4, max(2, round(math.sqrt(count / 2))))
 
 
+def cell_labels(pairs: list[dict]) -> tuple[str, ...]:
+    """The images of a pair in compare.png: before, after; an edit's source first."""
+    return ("source", "before", "after") if pairs and "source_image" in pairs[0] else ("before", "after")
+
+
 def compare_picture(
     result: dict,
     cells: list,
@@ -65,11 +70,10 @@ def compare_picture(
     from PIL import Image, ImageDraw
 
     pairs = result["pairs"] if pairs is None else pairs
-    labels = ("source", "before", "after") if pairs and "source_image" in pairs[0] else ("before", "after")
-    n = len(labels)
-    pairs = pairs[: len(cells) // n]
+    labels = cell_labels(pairs)
+    pairs = pairs[: len(cells) // len(labels)]
     per_row = max(1, min(per_row or pairs_per_row(len(pairs)), len(pairs)))
-    pad, pair_w = 8, n * cell
+    pad, pair_w = 8, len(labels) * cell
     width = per_row * pair_w
     title_font, body_font = font(16), font(13)
     line_h, title_h = 17, 21
@@ -101,7 +105,9 @@ def compare_picture(
         for c, lines in enumerate(row):
             k, x = r * per_row + c, c * pair_w
             for side, label in enumerate(labels):
-                canvas.paste(cells[n * k + side].convert("RGB").resize((cell, cell)), (x + side * cell, y))
+                canvas.paste(
+                    cells[len(labels) * k + side].convert("RGB").resize((cell, cell)), (x + side * cell, y)
+                )
                 draw.text(
                     (x + side * cell + 4, y + 2),
                     label,

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import check_edit_data
 from refl_ddpo.core.lora import (
     CONFIG_NAME,
     FULL_UNET_DIR,
@@ -141,10 +142,7 @@ class InferenceConfig(ConfigBase):
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
-        if self.edit_data:
-            from refl_ddpo.core.families import check_edit_model
-
-            check_edit_model(self.pretrained_model)
+        check_edit_data(self.pretrained_model, self.edit_data)
 
 
 @dataclass

@@ -96,11 +96,14 @@ def load_family(
     return family
 
 
-def check_edit_model(name: str) -> None:
-    """--edit_data needs a model that edits (FLUX.1 Kontext): one line naming the model's pipeline otherwise, before
-    any weights load."""
+def check_edit_data(name: str, edit_data: str | None) -> None:
+    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus) and readable edits:
+    one line naming what is wrong otherwise, before any weights load."""
+    from refl_ddpo.core.edit_data import load_edit_data
     from refl_ddpo.core.models import pipeline_class_name
 
+    if not edit_data:
+        return
     pipeline_class = pipeline_class_name(name)
     if not family_class(pipeline_class).edits_images:
         raise UserError(
@@ -108,6 +111,7 @@ def check_edit_model(name: str) -> None:
             "the source images; edit with a FLUX.1 Kontext (FluxKontextPipeline) or Qwen-Image-Edit-Plus "
             "(QwenImageEditPlusPipeline) model."
         )
+    load_edit_data(edit_data)  # every image opened, its size checked
 
 
 def resolve_lora_targets(cfg):
