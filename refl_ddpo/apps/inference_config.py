@@ -80,7 +80,7 @@ class InferenceConfig(ConfigBase):
     )
     edit_data: str | None = field_(
         None,
-        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus): a JSONL of {'image': path or [paths], 'instruction': ...} lines (paths "
+        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2's reference images): a JSONL of {'image': path or [paths], 'instruction': ...} lines (paths "
         "relative to it) or a folder with one as metadata.jsonl; its instructions replace --prompts_file, and each "
         "record of scores.json names its source image(s) and instruction.",
     )

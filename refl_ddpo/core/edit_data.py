@@ -1,5 +1,5 @@
 """Edit data: (instruction, source image(s), metadata) for the image-editing families (FLUX.1 Kontext,
-Qwen-Image-Edit-Plus).
+Qwen-Image-Edit-Plus, FLUX.2's reference images).
 
 `--edit_data FILE` is a JSONL file, one edit per line:
 
@@ -153,6 +153,14 @@ def source_tensors(metadata: dict) -> list:
             image = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1).float() / 255
         out.append(image)
     return out
+
+
+def to_pil(image):
+    """(3, H, W) in [0, 1] -> a PIL image (uint8; exact for sources read from 8-bit files), for a stock pipeline's
+    own image preprocessing."""
+    from PIL import Image
+
+    return Image.fromarray((image.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy())
 
 
 def jsonable_metadata(metadata: dict) -> dict:

@@ -97,7 +97,7 @@ def load_family(
 
 
 def check_edit_data(name: str, edit_data: str | None) -> None:
-    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus) and readable edits:
+    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) and readable edits:
     one line naming what is wrong otherwise, before any weights load."""
     from refl_ddpo.core.edit_data import load_edit_data
     from refl_ddpo.core.models import pipeline_class_name
@@ -108,8 +108,7 @@ def check_edit_data(name: str, edit_data: str | None) -> None:
     if not family_class(pipeline_class).edits_images:
         raise UserError(
             f"--edit_data: {name} is a {pipeline_class} folder, which draws from the prompt alone and would ignore "
-            "the source images; edit with a FLUX.1 Kontext (FluxKontextPipeline) or Qwen-Image-Edit-Plus "
-            "(QwenImageEditPlusPipeline) model."
+            "the source images; edit with a FLUX.1 Kontext, Qwen-Image-Edit-Plus or FLUX.2 model."
         )
     load_edit_data(edit_data)  # every image opened, its size checked
 

@@ -28,17 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from refl_ddpo.core.edit_data import source_tensors
+from refl_ddpo.core.edit_data import source_tensors, to_pil
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families.base import Cond, cond_cat
 from refl_ddpo.core.families.qwen_image import QwenImage
-
-
-def _pil(image: torch.Tensor):
-    """(3, H, W) in [0, 1] -> a PIL image (uint8; exact for sources read from 8-bit files)."""
-    from PIL import Image
-
-    return Image.fromarray((image.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().cpu().numpy())
 
 
 class QwenImageEditPlus(QwenImage):
@@ -55,7 +48,7 @@ class QwenImageEditPlus(QwenImage):
     ) -> tuple[Cond, Cond | None]:
         """Per sample: the instruction with its pictures through Qwen2.5-VL, the empty prompt with them (the
         negative), the sources' reference tokens; padded into one batch (see the module doc)."""
-        sources = [[_pil(s) for s in source_tensors(m)] for m in metadata or [{}] * len(prompts)]
+        sources = [[to_pil(s) for s in source_tensors(m)] for m in metadata or [{}] * len(prompts)]
         if not any(sources):
             return self.encode_prompts(prompts, with_negative)
         if len({len(s) for s in sources}) != 1:
