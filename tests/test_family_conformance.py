@@ -1,5 +1,5 @@
-"""What every model family owes the kit, checked on the tiny random folder of each (SD 1.x, SDXL, SD3, FLUX.1, FLUX.1 Kontext,
-Qwen-Image, Z-Image, FLUX.2 [dev] and [klein]) from one small spec per family: the family picked from model_index.json, the loop equal to the
+"""What every model family owes the kit, checked on the tiny random folder of each (SD 1.x, SDXL, SD3, FLUX.1,
+FLUX.1 Kontext, Qwen-Image, Z-Image, FLUX.2 [dev] and [klein]) from one small spec per family: the family picked from model_index.json, the loop equal to the
 stock diffusers pipeline, the reward gradient reaching every LoRA tensor and no base weight (and the LoRA saved, loaded
 by the stock `load_lora_weights` and restored for a resume), DDPO's first update on policy, ReFL training a LoRA that
 loads in the stock pipeline with validation and a card that name the family, and every trainer for two steps (DRaFT-K,

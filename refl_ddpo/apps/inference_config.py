@@ -80,9 +80,10 @@ class InferenceConfig(ConfigBase):
     )
     edit_data: str | None = field_(
         None,
-        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2's reference images): a JSONL of {'image': path or [paths], 'instruction': ...} lines (paths "
-        "relative to it) or a folder with one as metadata.jsonl; its instructions replace --prompts_file, and each "
-        "record of scores.json names its source image(s) and instruction.",
+        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2's reference images): a JSONL of {'image': "
+        "path or [paths], 'instruction': ...} lines (paths relative to it) or a folder with one as metadata.jsonl; "
+        "its instructions replace --prompts_file, and each record of scores.json names its source image(s) and "
+        "instruction.",
     )
     seed: int = field_(
         42, "Image j of prompt i uses its own generator seeded seed + i * num_images_per_prompt + j."

@@ -4,9 +4,10 @@
 
 `images` is a float tensor [B, 3, H, W] in [0, 1] on the reward's device, `prompts` a list of B strings, `metadata` a
 list of B dicts from the prompt source (for an edit, `metadata[i]["source_images"]`: the sample's source images, a
-list of (3, H, W) float32 tensors in [0, 1] on the CPU, refl_ddpo.core.edit_data; the edit rewards read them); `rewards` is a float32 tensor [B] on the same device and `info` a dict of
-extra scalars/tensors for logging. A reward that is `differentiable` keeps the autograd graph back to `images`
-(ReFL needs this); the others may leave it (DDPO does not care).
+list of (3, H, W) float32 tensors in [0, 1] on the CPU, refl_ddpo.core.edit_data; the edit rewards read them);
+`rewards` is a float32 tensor [B] on the same device and `info` a dict of extra scalars/tensors for logging. A reward
+that is `differentiable` keeps the autograd graph back to `images` (ReFL needs this); the others may leave it (DDPO
+does not care).
 
 A factory takes `device`, `dtype` and `model_dir` (the --reward_model_dir folder) and returns the function; it never
 picks a device itself. `build_reward("jpeg_compressibility:1.0,imagereward:0.5", ...)` gives the weighted sum.

@@ -11,7 +11,8 @@
                          Differentiable. In [-1, 1].
     edit_preserve        how much of the source survives: 1 - mean |result - source| over pixels and channels, the
                          source resized to the result's size (bilinear, antialiased) where they differ. No model.
-                         Differentiable. In [0, 1]; weigh it against the edit (`edit_clip_direction:1,edit_preserve:0.5`).
+                         Differentiable. In [0, 1]; weigh it against the edit
+                         (`edit_clip_direction:1,edit_preserve:0.5`).
     edit_judge           a VLM judge of the edit over an OpenAI-compatible server (EditReward / UnifiedReward-Edit
                          style): one request with the instruction, the source image and the edited image, answered
                          with reasons and 'Final Score: X' for X in 0..10; the reward is the last X / score_max (10).

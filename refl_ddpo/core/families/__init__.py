@@ -97,8 +97,8 @@ def load_family(
 
 
 def check_edit_data(name: str, edit_data: str | None) -> None:
-    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) and readable edits:
-    one line naming what is wrong otherwise, before any weights load."""
+    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) and readable
+    edits: one line naming what is wrong otherwise, before any weights load."""
     from refl_ddpo.core.edit_data import load_edit_data
     from refl_ddpo.core.models import pipeline_class_name
 
