@@ -201,11 +201,12 @@ def watch_training(monkeypatch) -> TrainingWatch:
 
 
 def ddpo_first_update(
-    family, scheduler, params, uncond, prompts, resolution: int, edit=None, **kw
+    family, scheduler, params, uncond, prompts, resolution: int, edit=None, metadata=None, **kw
 ) -> tuple[dict, dict]:
     """DDPO on `family`: two sampled batches of 2 (jpeg_compressibility, `kw`: num_steps, guidance_scale, eta)
     stacked with their advantages, `edit(samples)` (if given) run on them, then one PPO pass (clip range 1e-4, AdamW
-    1e-3, no mixed precision). Returns (the stacked samples, the first PPO step's stats)."""
+    1e-3, no mixed precision); `metadata`: every prompt's (an edit's source images). Returns (the stacked samples, the
+    first PPO step's stats)."""
     import torch
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -220,7 +221,7 @@ def ddpo_first_update(
     batches = sample_epoch(
         Policy(family, scheduler, uncond),
         SampleSettings(batch_size=2, num_batches=2, resolution=resolution, **kw),
-        EpochPlan(lambda: (next(prompts), {})),
+        EpochPlan(lambda: (next(prompts), dict(metadata or {}))),
         build_reward("jpeg_compressibility", "cpu"),
         torch.Generator().manual_seed(0),
     )

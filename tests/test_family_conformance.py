@@ -1,5 +1,5 @@
 """What every model family owes the kit, checked on the tiny random folder of each (SD 1.x, SDXL, SD3, FLUX.1,
-Qwen-Image, Z-Image, FLUX.2 [dev] and [klein]) from one small spec per family: the family picked from model_index.json, the loop equal to the
+FLUX.1 Kontext, Qwen-Image, Z-Image, FLUX.2 [dev] and [klein]) from one small spec per family: the family picked from model_index.json, the loop equal to the
 stock diffusers pipeline, the reward gradient reaching every LoRA tensor and no base weight (and the LoRA saved, loaded
 by the stock `load_lora_weights` and restored for a resume), DDPO's first update on policy, ReFL training a LoRA that
 loads in the stock pipeline with validation and a card that name the family, and every trainer for two steps (DRaFT-K,
@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import diffusers
 import pytest
 import torch
 from diffusers import (
@@ -92,6 +93,16 @@ class Spec:
     policy_flags: dict = field(default_factory=dict)
     refl_sampler: str = "FlowMatchEulerDiscreteScheduler"
     card: tuple[str, str] = ("", "")  # in the model card: the family's line, its tag line
+
+
+class FluxKontextPipeline(diffusers.FluxKontextPipeline):
+    """The stock Kontext pipeline drawing at the height and width it is given: the stock one rescales them to
+    `max_area` (1024 x 1024 px by default), here height x width unless given."""
+
+    def __call__(self, *args, height=None, width=None, **kwargs):
+        if height and width:
+            kwargs.setdefault("max_area", height * width)
+        return super().__call__(*args, height=height, width=width, **kwargs)
 
 
 def _sd3_dead(network) -> tuple[str, ...]:
@@ -178,6 +189,24 @@ FAMILIES = {
         refl_flags={"guidance_scale": 3.5, "validation_guidance_scale": 3.5},
         policy_flags={"sample_guidance_scale": 3.5},
         card=("| model family | FLUX.1", "- flux\n"),
+    ),
+    # FLUX.1 Kontext without a source image (drawn from the prompt, as its pipeline without `image`); its edits are
+    # tested in tests/test_flux_kontext.py
+    "flux_kontext": Spec(
+        name="flux_kontext",
+        model="tiny-flux-kontext",
+        pipeline=FluxKontextPipeline,
+        part="transformer",
+        native_resolution=256,
+        loops=(Loop("FlowMatchEulerDiscreteScheduler", 3.5),),
+        embedded_guidance=True,
+        grad_guidance=3.5,
+        lora_parts=("single_transformer_blocks.0.proj_mlp", "to_add_out"),
+        ddpo_guidance=3.5,
+        buffers={"prompt_embeds": (4, 512, 64), "next_latents": (4, 3, 16, 16, 16)},
+        refl_flags={"guidance_scale": 3.5, "validation_guidance_scale": 3.5},
+        policy_flags={"sample_guidance_scale": 3.5},
+        card=("| model family | FLUX.1 Kontext", "- flux-kontext\n"),
     ),
     "qwen_image": Spec(
         name="qwen_image",

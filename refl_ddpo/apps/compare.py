@@ -174,6 +174,7 @@ def compare_runs(
                 for name in shared
             },
         }
+        | ({"source_image": b["source_image"]} if "source_image" in b else {})  # an edit's source(s)
         for b, a in pairs
     ]
     result.update(per_reward[primary])
@@ -284,6 +285,19 @@ def shown_pairs(pairs: list[dict], max_pairs: int) -> list[dict]:
     return shown
 
 
+def pair_cells(pair: dict, before_dir: str, after_dir: str) -> list:
+    """A pair's images in compare.png (PIL, RGB): before, after; an edit's source first."""
+    from PIL import Image
+
+    paths = [pair["source_image"][0]] if "source_image" in pair else []
+    paths += [Path(before_dir) / pair["before_file"], Path(after_dir) / pair["after_file"]]
+    cells = []
+    for path in paths:
+        with Image.open(path) as im:
+            cells.append(im.convert("RGB"))  # sizes may differ: each is resized to the cell
+    return cells
+
+
 def run_compare(
     before_dir: str,
     after_dir: str,
@@ -292,9 +306,8 @@ def run_compare(
     seed: int = 0,
     max_pairs: int = 32,
 ) -> dict:
-    """compare.png (a header of statistics, then before | after per prompt and seed with their scores) and
-    compare.json for two run folders."""
-    from PIL import Image
+    """compare.png (a header of statistics, then before | after per prompt and seed with their scores; source |
+    before | after for edits) and compare.json for two run folders."""
 
     from refl_ddpo.run.outputs import check_output_dir
 
@@ -321,11 +334,7 @@ def run_compare(
 
     shown = shown_pairs(result["pairs"], max_pairs)
     if shown:
-        cells = []
-        for pair in shown:
-            for side, run_dir in (("before", before_dir), ("after", after_dir)):
-                with Image.open(Path(run_dir) / pair[f"{side}_file"]) as im:
-                    cells.append(im.convert("RGB"))  # sizes may differ: each is resized to the cell
+        cells = [cell for pair in shown for cell in pair_cells(pair, before_dir, after_dir)]
         title = f"before: {before_dir}  |  after: {after_dir}"
         if len(shown) < len(result["pairs"]):
             prompts = len({pair["prompt"] for pair in shown})

@@ -1,6 +1,7 @@
 """compare.png: a header with each shared reward's means, difference, 95 % CI and win rate (and, on the toy world,
-the judge's numbers before -> after), then before | after per pair with the prompt, seed and each reward's
-before -> after and delta (and the pair's judgement) under it (refl_ddpo.apps.compare writes it)."""
+the judge's numbers before -> after), then before | after per pair (source | before | after for an edit) with the
+prompt, seed and each reward's before -> after and delta (and the pair's judgement) under it (refl_ddpo.apps.compare
+writes it)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def pairs_per_row(count: int) -> int:
     return min(4, max(2, round(math.sqrt(count / 2))))
 
 
+def cell_labels(pairs: list[dict]) -> tuple[str, ...]:
+    """The images of a pair in compare.png: before, after; an edit's source first."""
+    return ("source", "before", "after") if pairs and "source_image" in pairs[0] else ("before", "after")
+
+
 def compare_picture(
     result: dict,
     cells: list,
@@ -58,13 +64,16 @@ def compare_picture(
     max_caption_lines: int = 3,
 ):
     """compare.png as a PIL image: a header (title, the toy judge's line, one line per reward), then for each pair
-    of `pairs` (default: `result["pairs"]`) before | after (`cells`: PIL images, two per pair; `per_row` pairs side
-    by side, by default `pairs_per_row`) with `caption_lines` under them."""
+    of `pairs` (default: `result["pairs"]`) before | after (`cells`: PIL images, two per pair; three, source first,
+    when the pairs are edits, with a "source_image"; `per_row` pairs side by side, by default `pairs_per_row`) with
+    `caption_lines` under them."""
     from PIL import Image, ImageDraw
 
-    pairs = (result["pairs"] if pairs is None else pairs)[: len(cells) // 2]
+    pairs = result["pairs"] if pairs is None else pairs
+    labels = cell_labels(pairs)
+    pairs = pairs[: len(cells) // len(labels)]
     per_row = max(1, min(per_row or pairs_per_row(len(pairs)), len(pairs)))
-    pad, pair_w = 8, 2 * cell
+    pad, pair_w = 8, len(labels) * cell
     width = per_row * pair_w
     title_font, body_font = font(16), font(13)
     line_h, title_h = 17, 21
@@ -95,9 +104,10 @@ def compare_picture(
     for r, row in enumerate(rows):
         for c, lines in enumerate(row):
             k, x = r * per_row + c, c * pair_w
-            for side in (0, 1):
-                canvas.paste(cells[2 * k + side].convert("RGB").resize((cell, cell)), (x + side * cell, y))
-                label = ("before", "after")[side]
+            for side, label in enumerate(labels):
+                canvas.paste(
+                    cells[len(labels) * k + side].convert("RGB").resize((cell, cell)), (x + side * cell, y)
+                )
                 draw.text(
                     (x + side * cell + 4, y + 2),
                     label,

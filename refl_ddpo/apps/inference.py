@@ -40,6 +40,7 @@ from refl_ddpo.apps.inference_config import (
     reward_label,
     reward_list,
 )
+from refl_ddpo.core.edit_data import SOURCE_PATHS, load_edit_data, with_source_images
 from refl_ddpo.core.errors import UserError, cli_main
 from refl_ddpo.core.generate import IMAGE_FILE, ImageSpec, generate_batch, plan_images
 from refl_ddpo.core.images import caption_grid, fmt_score, to_uint8, write_json_atomic
@@ -219,6 +220,9 @@ def _save_batch(out_dir: Path, batch: list[ImageSpec], pixels: torch.Tensor, sco
             "prompt_index": spec.prompt_index,
             "image_index": spec.image_index,
         }
+        if SOURCE_PATHS in spec.metadata:  # an edit: its source image(s) and instruction
+            record["source_image"] = spec.metadata[SOURCE_PATHS]
+            record["instruction"] = spec.prompt
         if spec.metadata:
             record["metadata"] = spec.metadata
         records.append(record)
@@ -278,7 +282,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
     from refl_ddpo.run.threads import set_cpu_threads
 
     # ---- everything a user can get wrong, before any model is loaded ----
-    prompts = load_prompts(cfg.prompts_file)
+    prompts = load_edit_data(cfg.edit_data) if cfg.edit_data else load_prompts(cfg.prompts_file)
     specs = plan_images(prompts, cfg.num_images_per_prompt, cfg.seed)
     out_dir = check_output_dir(cfg.output_dir)
     earlier = earlier_outputs(out_dir)
@@ -309,6 +313,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
     start = time.perf_counter()
     with progress_bar(total=len(specs), desc="images", unit="img") as bar:
         for batch in _batches(specs, cfg.batch_size):
+            batch_metadata = [with_source_images(s.metadata) for s in batch]  # an edit's sources read
             images = generate_batch(
                 family,
                 [s.prompt for s in batch],
@@ -317,6 +322,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
                 cfg.num_inference_steps,
                 cfg.guidance_scale,
                 cfg.eta,
+                metadata=batch_metadata,
             )
             bad = int((~torch.isfinite(images)).flatten(1).any(1).sum())
             if bad:  # NaN pixels would be written as black and scored
@@ -325,7 +331,7 @@ def run_inference(cfg: InferenceConfig) -> dict:
                     f"'{batch[0].prompt}'); check --pretrained_model, --lora_dir and --dtype (fp16 can overflow)."
                 )
             pixels = to_uint8(images)  # (B, H, W, 3)
-            batch_prompts, batch_metadata = [s.prompt for s in batch], [s.metadata for s in batch]
+            batch_prompts = [s.prompt for s in batch]
             scores = {n: fn(batch_prompts, pixels, batch_metadata) for n, fn in scorers.items()}  # as saved
             records += _save_batch(out_dir, batch, pixels, scores, settings)
             grid_images.extend(pixels[: max(0, cfg.grid_max_images - len(grid_images))])

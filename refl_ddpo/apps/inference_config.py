@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.families import check_edit_data
 from refl_ddpo.core.lora import (
     CONFIG_NAME,
     FULL_UNET_DIR,
@@ -77,6 +78,13 @@ class InferenceConfig(ConfigBase):
         str(DEFAULT_PROMPTS_FILE),
         "Prompts: one per line, or a JSON list of strings / {'prompt'|'text': ...} objects.",
     )
+    edit_data: str | None = field_(
+        None,
+        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2's reference images): a JSONL of {'image': "
+        "path or [paths], 'instruction': ...} lines (paths relative to it) or a folder with one as metadata.jsonl; "
+        "its instructions replace --prompts_file, and each record of scores.json names its source image(s) and "
+        "instruction.",
+    )
     seed: int = field_(
         42, "Image j of prompt i uses its own generator seeded seed + i * num_images_per_prompt + j."
     )
@@ -135,6 +143,7 @@ class InferenceConfig(ConfigBase):
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
+        check_edit_data(self.pretrained_model, self.edit_data)
 
 
 @dataclass

@@ -54,9 +54,11 @@ def generate_batch(
     guidance_scale: float,
     eta: float = 0.0,
     scheduler=None,
+    metadata: list[dict] | None = None,
 ) -> torch.Tensor:
     """Images (B, 3, H, W) float32 in [0, 1] on the model's device; image b from a CPU generator seeded seeds[b].
-    `scheduler`: the sampler to run (default: `family.pipe.scheduler`); its timesteps are set here.
+    `scheduler`: the sampler to run (default: `family.pipe.scheduler`); its timesteps are set here. `metadata`:
+    the prompts' metadata, which carries an edit's source images (`ModelFamily.encode_conditioning`).
 
     Runs in inference mode: no autograd graph is kept (the pipeline's memory for one no-grad forward), even if
     LoRA parameters require grad. A network sharded with FSDP2 (--fsdp) runs under no_grad instead: the whole
@@ -67,17 +69,19 @@ def generate_batch(
     mode = torch.no_grad() if isinstance(family.network, FSDPModule) else torch.inference_mode()
     with mode:
         return _generate_batch(
-            family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler
+            family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler, metadata
         )
 
 
-def _generate_batch(family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler):
+def _generate_batch(
+    family, prompts, seeds, resolution, num_inference_steps, guidance_scale, eta, scheduler, metadata
+):
     from refl_ddpo.core.sampling import denoise
 
     # CPU generators: the same seed gives the same noise on any device (diffusers' randn_tensor draws on the CPU
     # and moves); a list gives each image its own stream, whatever the batch.
     generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-    cond, uncond = family.encode_prompts(prompts, with_negative=guidance_scale > 1.0)
+    cond, uncond = family.encode_conditioning(prompts, metadata, with_negative=guidance_scale > 1.0)
     dtype = next(iter(cond.values())).dtype
     noise = family.initial_noise(len(prompts), resolution, generators, dtype)  # as the pipeline draws it
     out = denoise(

@@ -10,6 +10,10 @@ Two sources read a file of flow_grpo's formats (`--prompt_fn NAME --prompts_file
                    prompt) is the prompt's metadata, as GenEval's server and geneval2 read it.
     ocr_file       flow_grpo's OCR prompts (dataset/ocr/*.txt): one prompt per line, the text to render in double
                    quotes; that text is the metadata's "ocr_text".
+
+Edits (`--edit_data F`, refl_ddpo.core.edit_data) are a source too: the instruction is the prompt and the metadata
+carries the source image(s), `metadata["source_images"]`: a list of (3, H, W) float32 tensors in [0, 1], one per
+reference. A user's prompt_fn may return them there itself (tensors or PIL images).
 """
 
 from __future__ import annotations
@@ -252,8 +256,15 @@ def get_prompt_fn(name_or_path: str, seed: int | None = None) -> PromptFn:
     raise UserError(f"prompts '{name_or_path}': neither a file nor one of {', '.join(PROMPT_SOURCES)}.")
 
 
-def epoch_prompt_fn(prompt_fn: str, prompts_file: str | None, seed: int | None = None) -> PromptFn:
-    """The sample-then-train trainers' prompts: --prompt_fn with --prompts_file (from_file or a file source)."""
+def epoch_prompt_fn(
+    prompt_fn: str, prompts_file: str | None, seed: int | None = None, edit_data: str | None = None
+) -> PromptFn:
+    """The sample-then-train trainers' prompts: --prompt_fn with --prompts_file (from_file or a file source), or the
+    edits of --edit_data (instruction, metadata with the source images: refl_ddpo.core.edit_data)."""
+    if edit_data:
+        from refl_ddpo.core.edit_data import edit_prompt_fn
+
+        return edit_prompt_fn(edit_data, seed)
     if prompt_fn in FILE_SOURCES:
         return _draw_from(FILE_SOURCES[prompt_fn](prompts_file), seed)
     return get_prompt_fn(prompts_file if prompt_fn == "from_file" else prompt_fn, seed)
@@ -281,4 +292,6 @@ class PromptDraw:
             pairs = [
                 self.prompts[i] for i in torch.randint(len(self.prompts), (n,), generator=generator).tolist()
             ]
-        return [p for p, _ in pairs], [dict(m) for _, m in pairs]
+        from refl_ddpo.core.edit_data import with_source_images
+
+        return [p for p, _ in pairs], [with_source_images(m) for _, m in pairs]  # copies

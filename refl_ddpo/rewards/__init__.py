@@ -3,9 +3,11 @@
     reward_fn(images, prompts, metadata) -> (rewards, info)
 
 `images` is a float tensor [B, 3, H, W] in [0, 1] on the reward's device, `prompts` a list of B strings, `metadata` a
-list of B dicts from the prompt source; `rewards` is a float32 tensor [B] on the same device and `info` a dict of
-extra scalars/tensors for logging. A reward that is `differentiable` keeps the autograd graph back to `images`
-(ReFL needs this); the others may leave it (DDPO does not care).
+list of B dicts from the prompt source (for an edit, `metadata[i]["source_images"]`: the sample's source images, a
+list of (3, H, W) float32 tensors in [0, 1] on the CPU, refl_ddpo.core.edit_data; the edit rewards read them);
+`rewards` is a float32 tensor [B] on the same device and `info` a dict of extra scalars/tensors for logging. A reward
+that is `differentiable` keeps the autograd graph back to `images` (ReFL needs this); the others may leave it (DDPO
+does not care).
 
 A factory takes `device`, `dtype` and `model_dir` (the --reward_model_dir folder) and returns the function; it never
 picks a device itself. `build_reward("jpeg_compressibility:1.0,imagereward:0.5", ...)` gives the weighted sum.
@@ -43,6 +45,9 @@ RewardFactory = Callable[
 REWARDS: dict[str, tuple[str, str, bool]] = {
     "aesthetic": ("refl_ddpo.rewards.aesthetic", "aesthetic", True),
     "clip_score": ("refl_ddpo.rewards.clip", "clip_score", True),
+    "edit_clip_direction": ("refl_ddpo.rewards.edit", "edit_clip_direction", True),
+    "edit_judge": ("refl_ddpo.rewards.edit", "edit_judge", False),
+    "edit_preserve": ("refl_ddpo.rewards.edit", "edit_preserve", True),
     "hpsv2": ("refl_ddpo.rewards.hpsv2", "hpsv2", True),
     "hpsv3": ("refl_ddpo.rewards.hpsv3", "hpsv3", True),
     "imagereward": ("refl_ddpo.rewards.imagereward", "imagereward", True),
@@ -68,7 +73,7 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
 # rewards (optional: the OpenAI-compatible server; default $OPENAI_BASE_URL) and `ocr:URL` (optional: a VLM reads the
 # text; without a URL PaddleOCR does). A weight follows the URL after '@' (`remote:http://host:8000@0.5`), since a URL
 # has colons of its own.
-VLM_SERVER_REWARDS = ("vlm_judge", "vlm_bertscore", "unifiedreward", "vlm_yesno", "geneval2")
+VLM_SERVER_REWARDS = ("vlm_judge", "vlm_bertscore", "unifiedreward", "vlm_yesno", "geneval2", "edit_judge")
 URL_REWARDS: dict[str, bool] = {"remote": True, "geneval": True, "ocr": False} | dict.fromkeys(
     VLM_SERVER_REWARDS, False
 )

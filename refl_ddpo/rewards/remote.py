@@ -14,6 +14,8 @@ Wire format (JSON only, no pickle), shared with refl_ddpo.rewards.serve:
 
     IMAGES is {"encoding": "raw", "dtype": "float32" | "uint8", "shape": [B, 3, H, W], "data": base64 of the
     C-order bytes} (float32 in [0, 1], or uint8 0..255), or {"encoding": "png", "data": [base64 PNG] * B}.
+    An edit's source images (metadata "source_images", refl_ddpo.core.edit_data) travel in its metadata as IMAGES
+    of shape [n, 3, H, W], its n references (`decode_images` reads them).
 
 The client sends raw float32, so the server scores exactly the tensor the trainer holds: `remote:` equals the
 reward in process (tests/test_remote_reward.py checks it to 1e-4). Each batch is one request. Timeouts, a bounded
@@ -139,6 +141,15 @@ def jsonable_info(info: dict, batch: int) -> dict:
 # ---- client ----
 
 
+def wire_metadata(metadata: dict) -> dict:
+    """A sample's metadata as the request carries it: its source images, if any, as IMAGES [n, 3, H, W]."""
+    from refl_ddpo.core.edit_data import SOURCE_IMAGES, source_tensors
+
+    if not metadata.get(SOURCE_IMAGES):
+        return metadata
+    return {**metadata, SOURCE_IMAGES: encode_images(torch.stack(source_tensors(metadata)))}
+
+
 def _first_line(text: str) -> str:
     return (str(text).strip().splitlines() or [""])[0][:MAX_ERROR_CHARS]
 
@@ -219,7 +230,11 @@ class RemoteReward:
         batch = len(images)
         answer = self._request(
             "/score",
-            {"images": encode_images(images), "prompts": list(prompts), "metadata": list(metadata)},
+            {
+                "images": encode_images(images),
+                "prompts": list(prompts),
+                "metadata": [wire_metadata(m) for m in metadata],
+            },
         )
         rewards = answer.get("rewards")
         if (

@@ -101,6 +101,13 @@ class RunPart:
     prompts_file: str | None = field_(
         None, "Prompts: one per line, or a JSON list of strings / {'text'|'prompt': ...} objects."
     )
+    edit_data: str | None = field_(
+        None,
+        "Image editing (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2's reference images): a JSONL of {'image': "
+        "path or [paths], 'instruction': ...} lines (paths relative to it) or a folder with one as metadata.jsonl; "
+        "the instructions are the prompts (it replaces --prompts_file / --prompt_fn) and the images, one size, "
+        "sides multiples of 16, are the sources.",
+    )
     seed: int = field_(42, "Seed for noise, timestep choices and data order (each process adds its rank).")
 
 

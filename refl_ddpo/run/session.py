@@ -66,7 +66,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     """The checks every trainer makes before a model is loaded: the base model, the LoRA targets and the unset
     guidance flags (resolved here from the model's family: the run records them), the reward's files, the validation
     prompts, the hub settings. Returns the resolved config."""
-    from refl_ddpo.core.families import resolve_guidance, resolve_lora_targets
+    from refl_ddpo.core.families import check_edit_data, resolve_guidance, resolve_lora_targets
     from refl_ddpo.core.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
     from refl_ddpo.run.guard import check_guard
@@ -76,6 +76,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     check_pretrained_model(cfg.pretrained_model)
     cfg = resolve_guidance(resolve_lora_targets(cfg))
     check_reward_files(cfg.reward, cfg.reward_model_dir)
+    check_edit_data(cfg.pretrained_model, cfg.edit_data)
     check_validation_prompts(cfg)
     check_guard(cfg)
     check_push(cfg)

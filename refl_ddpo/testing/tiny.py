@@ -9,9 +9,10 @@ writes
     OUT/tiny-sdxl/          Stable Diffusion XL layout (UNet with added text / time conditions, vae, text_encoder
                             and text_encoder_2 with their tokenizers, Euler scheduler)
     OUT/tiny-flux/, OUT/tiny-flux-schnell/   FLUX.1 layout, dev-like (guidance embedding) and schnell-like
-                            (refl_ddpo.testing.tiny_flux)
+                            (refl_ddpo.testing.tiny_flux); OUT/tiny-flux-kontext/: FLUX.1 Kontext (editing)
     OUT/tiny-qwen-image/    Qwen-Image layout: Qwen2.5-VL text encoder and Qwen2 tokenizer built offline,
-                            the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen)
+                            the Qwen-Image VAE (refl_ddpo.testing.tiny_qwen); OUT/tiny-qwen-image-edit-plus/: its
+                            editing pipeline, a Qwen2.5-VL with a vision tower and a Qwen2VLProcessor
     OUT/tiny-z-image/, OUT/tiny-z-image-turbo/   Z-Image layout: Qwen3 text encoder and Qwen2 tokenizer built
                             offline, base-like and Turbo-like schedulers (refl_ddpo.testing.tiny_zimage)
     OUT/tiny-flux2/, OUT/tiny-flux2-klein/, OUT/tiny-flux2-klein-base/   FLUX.2 [dev] and [klein] (distilled, base)
@@ -306,7 +307,9 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     write_tiny_stable_diffusion_3(out, seed)
     write_tiny_stable_diffusion_xl(out, seed)
     tiny_flux.write_tiny_flux(out, seed)
+    tiny_flux.write_tiny_flux_kontext(out, seed)
     tiny_qwen.write_tiny_qwen_image(out, seed)
+    tiny_qwen.write_tiny_qwen_image_edit_plus(out, seed)
     tiny_zimage.write_tiny_z_image(out, seed)
     tiny_flux2.write_tiny_flux2(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)

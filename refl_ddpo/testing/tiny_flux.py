@@ -4,6 +4,7 @@
                             FLUX.1-dev (shift 3.0, dynamic shifting between 256 and 4096 image tokens)
     OUT/tiny-flux-schnell/  FLUX.1-schnell-like: the same parts, a transformer without the guidance embedding and
                             schnell's scheduler (shift 1.0, no dynamic shifting)
+    OUT/tiny-flux-kontext/  FLUX.1-Kontext-dev-like: tiny-flux's parts as a FluxKontextPipeline
 
 Both have a 16-channel VAE with FLUX.1's scaling and shift factors (no quant convs), a CLIP text encoder (its pooled
 output) and a T5 encoder with their tokenizers, built offline. At 32 px: 16 x 16 latents, 64 image tokens.
@@ -55,9 +56,27 @@ def _parts(seed: int) -> dict:
     }
 
 
+def _transformer(seed: int, guidance_embeds: bool):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels x the 2 x 2 packing
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=64,  # T5's width
+        pooled_projection_dim=32,  # CLIP's pooled output
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+    )
+
+
 def write_tiny_flux(out: Path, seed: int = 0) -> tuple[Path, Path]:
     """OUT/tiny-flux/ and OUT/tiny-flux-schnell/ (see the module doc); returns both paths."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     parts = _parts(seed)
     paths = []
@@ -65,21 +84,8 @@ def write_tiny_flux(out: Path, seed: int = 0) -> tuple[Path, Path]:
         ("tiny-flux", True, DEV_SCHEDULER),
         ("tiny-flux-schnell", False, SCHNELL_SCHEDULER),
     ]:
-        torch.manual_seed(seed)
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels x the 2 x 2 packing
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=64,  # T5's width
-            pooled_projection_dim=32,  # CLIP's pooled output
-            guidance_embeds=guidance_embeds,
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        )
         pipe = FluxPipeline(
-            transformer=transformer,
+            transformer=_transformer(seed, guidance_embeds),
             scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
             **parts,
         )
@@ -87,3 +93,18 @@ def write_tiny_flux(out: Path, seed: int = 0) -> tuple[Path, Path]:
         pipe.save_pretrained(path, safe_serialization=True)
         paths.append(path)
     return paths[0], paths[1]
+
+
+def write_tiny_flux_kontext(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-flux-kontext/: tiny-flux's transformer, VAE, CLIP, T5 and scheduler as a FluxKontextPipeline (FLUX.1
+    Kontext [dev] has FLUX.1-dev's architecture and scheduler; it learnt to read the appended source tokens)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+
+    pipe = FluxKontextPipeline(
+        transformer=_transformer(seed, True),
+        scheduler=FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER),
+        **_parts(seed),
+    )
+    path = Path(out) / "tiny-flux-kontext"
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path

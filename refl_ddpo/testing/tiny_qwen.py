@@ -5,6 +5,9 @@
                            Qwen2.5-VL text encoder (its vision tower is loaded but never run for text) and a Qwen2
                            tokenizer built offline, and Qwen-Image's scheduler config
 
+OUT/tiny-qwen-image-edit-plus/ (`write_tiny_qwen_image_edit_plus`) is the same transformer, VAE and scheduler as a
+QwenImageEditPlusPipeline whose Qwen2.5-VL reads the source images with its vision tower.
+
 The tokenizer is byte-level with no merges and the chat tokens <|im_start|> / <|im_end|>, so the pipeline's
 template is about 170 tokens here (34 with the real tokenizer) and dropping its first 34 keeps part of the system
 text: the same code path, other lengths. At 32 px: 16 x 16 latents, 64 image tokens.
@@ -95,17 +98,10 @@ def tiny_qwen_vl(tokenizer, seed: int):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def write_tiny_qwen_image(out: Path, seed: int = 0) -> Path:
-    """OUT/tiny-qwen-image/ (see the module doc); returns its path."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def _image_parts(seed: int) -> dict:
+    """The scheduler, VAE and transformer of the tiny Qwen-Image folders."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
-    tokenizer = qwen_tokenizer()
-    text_encoder = tiny_qwen_vl(tokenizer, seed + 2)
     torch.manual_seed(seed + 1)
     # latents_mean / latents_std are the class defaults: Qwen-Image's
     vae = AutoencoderKLQwenImage(
@@ -122,13 +118,56 @@ def write_tiny_qwen_image(out: Path, seed: int = 0) -> Path:
         joint_attention_dim=TEXT_WIDTH,
         axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
     )
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        "vae": vae,
+        "transformer": transformer,
+    }
+
+
+def write_tiny_qwen_image(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-qwen-image/ (see the module doc); returns its path."""
+    from diffusers import QwenImagePipeline
+
+    tokenizer = qwen_tokenizer()
     pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+        text_encoder=tiny_qwen_vl(tokenizer, seed + 2), tokenizer=tokenizer, **_image_parts(seed)
     )
     path = Path(out) / "tiny-qwen-image"
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+
+
+def write_tiny_qwen_image_edit_plus(out: Path, seed: int = 0) -> Path:
+    """OUT/tiny-qwen-image-edit-plus/: a QwenImageEditPlusPipeline (Qwen-Image-Edit-2509 / 2511) of tiny-qwen-image's
+    transformer, VAE and scheduler, and a Qwen2.5-VL whose vision tower reads the source images: the Qwen2 tokenizer
+    with Qwen's vision tokens, the model's image / video / vision-start token ids set to theirs, and a
+    Qwen2VLProcessor (Qwen2-VL's image processor: 14 px patches, 2 x 2 merged, 2 frames per temporal patch) built
+    offline."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]}
+    )
+    text_encoder = tiny_qwen_vl(tokenizer, seed + 2)
+    names = ("vision_start", "image", "vision_end", "video")
+    ids = dict(zip(names, tokenizer.convert_tokens_to_ids(VISION_TOKENS), strict=True))
+    for config in (text_encoder.config, text_encoder.config.text_config):
+        config.image_token_id, config.video_token_id = ids["image"], ids["video"]
+        config.vision_start_token_id, config.vision_end_token_id = ids["vision_start"], ids["vision_end"]
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+    )
+    pipe = QwenImageEditPlusPipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, processor=processor, **_image_parts(seed)
+    )
+    path = Path(out) / "tiny-qwen-image-edit-plus"
     pipe.save_pretrained(path, safe_serialization=True)
     return path

@@ -220,7 +220,7 @@ def draw_rollout(run: Run, parts: Parts, generator: torch.Generator) -> Rollout:
     """A micro-batch's prompts and x_T from this process' generator, the prompts encoded."""
     cfg, family = run.cfg, run.family
     prompts, metadata = parts.data.prompts(cfg.train_batch_size, generator)
-    cond, uncond = family.encode_prompts(prompts, with_negative=cfg.guidance_scale > 1.0)
+    cond, uncond = family.encode_conditioning(prompts, metadata, with_negative=cfg.guidance_scale > 1.0)
     noise = family.initial_noise(cfg.train_batch_size, cfg.resolution, generator, cond["prompt_embeds"].dtype)
     return Rollout(
         family,

@@ -128,7 +128,7 @@ def grouped_prompts(
     per_process = cfg.sample_batch_size * cfg.sample_num_batches_per_epoch
     num_groups = per_process * num_processes // cfg.group_size
     prompt_fn = epoch_prompt_fn(  # one stream for all processes: every one of them draws the same groups
-        cfg.prompt_fn, cfg.prompts_file, seed=stream_seed(cfg.seed, epoch, 0, 3)
+        cfg.prompt_fn, cfg.prompts_file, seed=stream_seed(cfg.seed, epoch, 0, 3), edit_data=cfg.edit_data
     )
     samples, group_ids = epoch_groups(prompt_fn, num_groups, cfg.group_size)
     mine = slice(rank * per_process, (rank + 1) * per_process)

@@ -12,6 +12,7 @@ from refl_ddpo.rewards.pairwise import parse_pairwise_spec
 from refl_ddpo.run.parts import field_
 from refl_ddpo.trainers.ddpo_config import EPOCH_PARTS, PPOPart
 from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
+from refl_ddpo.trainers.edit_presets import EDIT_GRPO_PRESETS
 from refl_ddpo.trainers.flux2_presets import FLOW_FACTORY_GRPO, FLUX2_GRPO_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, check_pairwise_groups, group_sizes
 
@@ -242,6 +243,7 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
     "validation_num_steps": 50,
 }
 GRPO_PRESETS.update(FLUX2_GRPO_PRESETS)  # Flow-Factory's FLUX.2 [dev] and [klein] recipes
+GRPO_PRESETS.update(EDIT_GRPO_PRESETS)  # Flow-Factory's FLUX.1 Kontext recipe (with --edit_data)
 
 
 # Flow-GRPO on Z-Image with PickScore (X-GenGroup/Flow-Factory examples/grpo/lora/z_image/default.yaml, per GPU): 10

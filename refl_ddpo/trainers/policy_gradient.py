@@ -112,7 +112,7 @@ def ddpo_plan(run: Run, epoch: int) -> EpochPlan:
 
     cfg = run.cfg
     seed = stream_seed(cfg.seed, epoch, run.rank, 0)
-    return EpochPlan(epoch_prompt_fn(cfg.prompt_fn, cfg.prompts_file, seed=seed))
+    return EpochPlan(epoch_prompt_fn(cfg.prompt_fn, cfg.prompts_file, seed=seed, edit_data=cfg.edit_data))
 
 
 def grouped_epoch(

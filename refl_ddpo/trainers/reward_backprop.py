@@ -127,13 +127,18 @@ def train(cfg: ReFLConfig) -> Path:
 def check(cfg: ReFLConfig) -> tuple[ReFLConfig, TrainingData]:
     """The shared checks, the prompts and the pretraining folder, the gradient accumulation resolved for the
     launcher's WORLD_SIZE: everything checkable before a model is loaded."""
+    from refl_ddpo.core.edit_data import load_edit_data
     from refl_ddpo.core.image_captions import PretrainData
     from refl_ddpo.core.prompts import PromptDraw, resolve_prompts
 
     cfg = shared_checks(cfg)
-    listed = resolve_prompts(cfg.prompts_file) if cfg.prompt_fn is None else None
+    source = None if cfg.edit_data else cfg.prompt_fn  # the edits replace the prompts
+    if cfg.edit_data:
+        listed = load_edit_data(cfg.edit_data)
+    else:
+        listed = resolve_prompts(cfg.prompts_file) if cfg.prompt_fn is None else None
     data = TrainingData(
-        PromptDraw(listed, cfg.prompt_fn),
+        PromptDraw(listed, source),
         PretrainData(cfg.pretrain_data_dir) if cfg.pretrain_loss_weight > 0 else None,
     )
     return resolve_gradient_accumulation(cfg, world_size()), data

@@ -111,7 +111,7 @@ def sample_epoch(
     with torch.no_grad():  # sampling: no graph (training recomputes each trained step with grad)
         for b in range(settings.num_batches):
             prompts, metadata = map(list, zip(*(plan.prompt_fn() for _ in range(batch_size)), strict=True))
-            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            cond, _ = family.encode_conditioning(prompts, metadata, with_negative=False)
             dtype = next(iter(cond.values())).dtype
             if plan.initial_noise is None:
                 noise = family.initial_noise(batch_size, settings.resolution, generator, dtype)
@@ -206,7 +206,7 @@ def sample_clean(
     with torch.no_grad():
         for b in range(cfg.sample_num_batches_per_epoch):
             prompts, metadata = map(list, zip(*(plan.prompt_fn() for _ in range(batch_size)), strict=True))
-            cond, _ = family.encode_prompts(prompts, with_negative=False)
+            cond, _ = family.encode_conditioning(prompts, metadata, with_negative=False)
             dtype = next(iter(cond.values())).dtype
             if plan.initial_noise is None:
                 noise = family.initial_noise(batch_size, cfg.resolution, generator, dtype)

@@ -22,7 +22,9 @@ FAMILIES = {
     "StableDiffusion3Pipeline": ("refl_ddpo.core.families.sd3", "StableDiffusion3"),
     "StableDiffusionXLPipeline": ("refl_ddpo.core.families.sdxl", "StableDiffusionXL"),
     "FluxPipeline": ("refl_ddpo.core.families.flux", "Flux"),
+    "FluxKontextPipeline": ("refl_ddpo.core.families.flux_kontext", "FluxKontext"),
     "QwenImagePipeline": ("refl_ddpo.core.families.qwen_image", "QwenImage"),
+    "QwenImageEditPlusPipeline": ("refl_ddpo.core.families.qwen_image_edit", "QwenImageEditPlus"),
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
     "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
@@ -45,6 +47,7 @@ def family_class(pipeline_class: str) -> type[ModelFamily]:
 # families whose prompt is read by a decoder LLM, not a T5: --drop_t5 is refused for them
 NO_T5 = {
     "QwenImagePipeline": ("a Qwen-Image", "Qwen2.5-VL"),
+    "QwenImageEditPlusPipeline": ("a Qwen-Image-Edit-Plus", "Qwen2.5-VL"),
     "ZImagePipeline": ("a Z-Image", "Qwen3"),
     "Flux2Pipeline": ("a FLUX.2", "Mistral Small 3.1"),
     "Flux2KleinPipeline": ("a FLUX.2", "Qwen3"),
@@ -71,7 +74,7 @@ def load_family(
 
     pipeline_class = pipeline_class_name(name)
     cls = family_class(pipeline_class).variant(name)
-    if drop_t5 and pipeline_class == "FluxPipeline":
+    if drop_t5 and pipeline_class in ("FluxPipeline", "FluxKontextPipeline"):
         raise UserError(
             f"--drop_t5: {name} is a FLUX.1 model, whose prompt is read by its T5 (CLIP gives only a pooled vector), "
             "so it cannot run without it; leave --drop_t5 off."
@@ -91,6 +94,23 @@ def load_family(
     if offload_text_encoders:
         family.text_encoder_device = device
     return family
+
+
+def check_edit_data(name: str, edit_data: str | None) -> None:
+    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) and readable
+    edits: one line naming what is wrong otherwise, before any weights load."""
+    from refl_ddpo.core.edit_data import load_edit_data
+    from refl_ddpo.core.models import pipeline_class_name
+
+    if not edit_data:
+        return
+    pipeline_class = pipeline_class_name(name)
+    if not family_class(pipeline_class).edits_images:
+        raise UserError(
+            f"--edit_data: {name} is a {pipeline_class} folder, which draws from the prompt alone and would ignore "
+            "the source images; edit with a FLUX.1 Kontext, Qwen-Image-Edit-Plus or FLUX.2 model."
+        )
+    load_edit_data(edit_data)  # every image opened, its size checked
 
 
 def resolve_lora_targets(cfg):

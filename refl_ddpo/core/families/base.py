@@ -81,6 +81,9 @@ class ModelFamily(ABC):
     # The guidance a guidance-distilled network takes as an input (FLUX.1-dev's embedded guidance), as its pipeline
     # sets it by default; None for a family that guides with classifier-free guidance (see default_guidance_scale).
     embedded_guidance_default: ClassVar[float | None] = None
+    # Whether the family conditions on source images (an edit family: `encode_conditioning` reads them), so that
+    # --edit_data is refused before loading for one that would ignore them.
+    edits_images: ClassVar[bool] = False
 
     @classmethod
     def default_guidance_scale(cls, cfg_default: float) -> float:
@@ -237,6 +240,14 @@ class ModelFamily(ABC):
         self.check_prompt_lengths(prompts)
         with self.text_encoders_on_device():
             return self.run_text_encoders(prompts, with_negative)
+
+    def encode_conditioning(
+        self, prompts: list[str], metadata: list[dict] | None, with_negative: bool
+    ) -> tuple[Cond, Cond | None]:
+        """`encode_prompts` and whatever else of the samples the family conditions on: an edit family adds its
+        source images' latents (each sample's `metadata["source_images"]`, refl_ddpo.core.edit_data) to the
+        conditioning; a text-to-image family reads the prompts alone."""
+        return self.encode_prompts(prompts, with_negative)
 
     @abstractmethod
     def run_text_encoders(self, prompts: list[str], with_negative: bool) -> tuple[Cond, Cond | None]:

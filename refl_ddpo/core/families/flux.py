@@ -156,11 +156,20 @@ class Flux(StableDiffusion3):
             "img_ids": img_ids,
             "return_dict": False,
         }
-        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0]
+        n = packed.shape[1]  # the image's own tokens; an edit family appends its references' after them
+        packed, kwargs["img_ids"] = self.with_references(packed, img_ids, cond)
+        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0][:, :n]
         if self.true_cfg_scale > 1.0 and uncond is not None:
-            v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0]
+            v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0][:, :n]
             v = v_uncond + self.true_cfg_scale * (v - v_uncond)
         return self.unpack(v, h, w)
+
+    def with_references(
+        self, packed: torch.Tensor, img_ids: torch.Tensor, cond: Cond
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image tokens (B, N, 64) and their position ids (N, 3): the latents' alone here; FLUX.1
+        Kontext appends its source images' (families/flux_kontext.py)."""
+        return packed, img_ids
 
     def _text_kwargs(self, cond: Cond) -> dict:
         embeds = cond["prompt_embeds"]

@@ -32,6 +32,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from refl_ddpo.core.edit_data import source_tensors, to_pil
+from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families.base import Cond
 from refl_ddpo.core.families.sd3 import StableDiffusion3
 
@@ -53,6 +55,7 @@ class Flux2(StableDiffusion3):
     ]
     max_sequence_length = 512  # text tokens, the pipeline's default (every prompt is padded to it)
     embedded_guidance_default: ClassVar[float | None] = 4.0  # Flux2Pipeline.__call__'s guidance_scale default
+    edits_images = True  # reference images, the pipelines' `image` (`encode_conditioning`)
 
     def __init__(self, pipe):
         import logging
@@ -146,17 +149,66 @@ class Flux2(StableDiffusion3):
             ("img_ids", b, h, w, latents.device),
             lambda: self.pipe._prepare_latent_ids(latents[:, :0]).to(latents.device),
         )
+        n = packed.shape[1]  # the image's own tokens, then the reference images' (`with_references`)
+        packed, img_ids = self.with_references(packed, img_ids, cond)
         kwargs = {
             "timestep": timesteps / 1000,
             "guidance": guidance,
             "img_ids": img_ids,
             "return_dict": False,
         }
-        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0]
+        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0][:, :n]
         if self.uses_cfg() and guidance_scale > 1.0 and uncond is not None:
-            v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0]
+            v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0][:, :n]
             v = v_uncond + guidance_scale * (v - v_uncond)
         return v.transpose(1, 2).reshape(b, c, h, w)
+
+    def encode_conditioning(
+        self, prompts: list[str], metadata: list[dict] | None, with_negative: bool
+    ) -> tuple[Cond, Cond | None]:
+        """The text conditioning, and the samples' reference images (`metadata[i]["source_images"]`, as many for
+        each sample) as the pipelines' `image`: their packed tokens "image_latents" (B, M, 128) and position ids
+        "image_latent_ids" (B, M, 4)."""
+        cond, uncond = self.encode_prompts(prompts, with_negative)
+        sources = [source_tensors(m) for m in metadata or [{}] * len(prompts)]
+        if not any(sources):
+            return cond, uncond
+        tokens, ids = zip(*(self.encode_references(s) for s in sources), strict=True)
+        if len({t.shape for t in tokens}) != 1:
+            raise UserError(
+                "FLUX.2: the samples of a batch need as many reference images of one size; check --edit_data."
+            )
+        return {**cond, "image_latents": torch.cat(tokens), "image_latent_ids": torch.cat(ids)}, uncond
+
+    @torch.no_grad()
+    def encode_references(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sample's reference images (3, H, W) -> tokens (1, M, 128) and ids (1, M, 4), as the pipeline: an image
+        over 1024 x 1024 px resized to that area, cropped to multiples of 2 x the VAE scale factor, VAE-encoded (the
+        mode), patchified and batch-normalised, the i-th at time coordinate 10 + 10 i (`prepare_image_latents`)."""
+        pipe, multiple, pictures = self.pipe, self.vae_scale_factor * 2, []
+        for image in map(to_pil, images):
+            try:
+                pipe.image_processor.check_image_input(image)  # e.g. at least 64 px a side
+            except ValueError as e:
+                raise UserError(f"FLUX.2's reference images: {e}") from None
+            if image.size[0] * image.size[1] > 1024 * 1024:
+                image = pipe.image_processor._resize_to_target_area(image, 1024 * 1024)
+            width, height = (side // multiple * multiple for side in image.size)
+            pictures.append(
+                pipe.image_processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            )
+        return pipe.prepare_image_latents(pictures, 1, None, pipe.device, self.vae.dtype)
+
+    def with_references(
+        self, packed: torch.Tensor, img_ids: torch.Tensor, cond: Cond
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents' tokens (B, N, 128), then the references' (B, N + M, 128), and their ids (B, N + M, 4)."""
+        if "image_latents" not in cond:
+            return packed, img_ids
+        refs, ref_ids = cond["image_latents"], cond["image_latent_ids"]
+        return torch.cat([packed, refs.to(packed.dtype)], dim=1), torch.cat(
+            [img_ids, ref_ids.to(img_ids)], dim=1
+        )
 
     def _text_kwargs(self, cond: Cond) -> dict:
         """The text and its position ids (B, L, 4) as `encode_prompt` returns them: (0, 0, 0, l) for token l."""

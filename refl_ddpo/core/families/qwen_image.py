@@ -83,18 +83,27 @@ class QwenImage(Flux):
         dtype = cond["prompt_embeds"].dtype
         b, _, h, w = latents.shape
         packed = self.pack(latents.to(dtype))
+        n = packed.shape[1]  # the image's own tokens; an edit family appends its references' after them
         timesteps = (timesteps.expand(b) if timesteps.ndim == 0 else timesteps).to(dtype)
-        kwargs = {
-            "timestep": timesteps / 1000,
-            "img_shapes": [[(1, h // 2, w // 2)]] * b,
-            "return_dict": False,
-        }
-        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0]
+        packed, img_shapes = self.with_references(packed, (1, h // 2, w // 2), cond)
+        kwargs = {"timestep": timesteps / 1000, "img_shapes": img_shapes, "return_dict": False}
+        v = transformer(hidden_states=packed, **self._text_kwargs(cond), **kwargs)[0][:, :n]
         if guidance_scale > 1.0 and uncond is not None:
-            v_uncond = transformer(hidden_states=packed, **self._text_kwargs(uncond), **kwargs)[0]
+            negative = self._text_kwargs(self.negative(cond, uncond))
+            v_uncond = transformer(hidden_states=packed, **negative, **kwargs)[0][:, :n]
             guided = v_uncond + guidance_scale * (v - v_uncond)
             v = guided * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
         return self.unpack(v, h, w)
+
+    def with_references(self, packed: torch.Tensor, shape: tuple, cond: Cond) -> tuple[torch.Tensor, list]:
+        """The transformer's image tokens (B, N, 64) and `img_shapes` (per sample, the (frames, h/2, w/2) of each
+        image in the sequence): the latents' alone here; Qwen-Image-Edit-Plus appends its sources'
+        (families/qwen_image_edit.py)."""
+        return packed, [[shape]] * packed.shape[0]
+
+    def negative(self, cond: Cond, uncond: Cond) -> Cond:
+        """The conditioning true CFG guides away from: `uncond` here; an edit family's carries its sources."""
+        return uncond
 
     def unpack(self, packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """(B, h/2 * w/2, 4C) -> (B, C, h, w): the pipeline's `_unpack_latents` without its frame axis."""
