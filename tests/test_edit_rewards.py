@@ -134,3 +134,18 @@ def test_the_reward_server_request_carries_the_source_images(monkeypatch):
     first, second = sent[0]["metadata"]
     assert torch.equal(decode_images(first[SOURCE_IMAGES]), sources[:1]) and first["caption"] == "x"
     assert second == {}
+
+
+def test_a_served_edit_reward_sees_the_source_as_in_process():
+    """The server's worker reads the request's source images back: edit_preserve scored through the wire format equals
+    the reward in process."""
+    from refl_ddpo.rewards.remote import wire_metadata
+    from refl_ddpo.rewards.serve_worker import score_batches
+
+    reward = build_reward("edit_preserve", "cpu")
+    images, sources = _uint8_images(6), _uint8_images(7)
+    metadata = _metadata(sources, caption="x")
+    wire = [json.loads(json.dumps(wire_metadata(m))) for m in metadata]
+    served, _ = score_batches(reward, images, PROMPTS, wire, torch.device("cpu"), None)
+    in_process, _ = reward(images, PROMPTS, metadata)
+    assert torch.equal(served, in_process.float())

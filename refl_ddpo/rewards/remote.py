@@ -145,9 +145,20 @@ def wire_metadata(metadata: dict) -> dict:
     """A sample's metadata as the request carries it: its source images, if any, as IMAGES [n, 3, H, W]."""
     from refl_ddpo.core.edit_data import SOURCE_IMAGES, source_tensors
 
+    import torch
+
     if not metadata.get(SOURCE_IMAGES):
         return metadata
     return {**metadata, SOURCE_IMAGES: encode_images(torch.stack(source_tensors(metadata)))}
+
+
+def read_wire_metadata(metadata: dict) -> dict:
+    """wire_metadata undone on the server: the source images back as a list of (3, H, W) tensors."""
+    from refl_ddpo.core.edit_data import SOURCE_IMAGES
+
+    if not isinstance(metadata.get(SOURCE_IMAGES), dict):
+        return metadata
+    return {**metadata, SOURCE_IMAGES: list(decode_images(metadata[SOURCE_IMAGES]))}
 
 
 def _first_line(text: str) -> str:

@@ -79,9 +79,10 @@ def score_batches(
     per-image lists joined across the batches)."""
     import torch
 
-    from refl_ddpo.rewards.remote import jsonable_info
+    from refl_ddpo.rewards.remote import jsonable_info, read_wire_metadata
 
     step = max_batch_size or len(images)
+    metadata = [read_wire_metadata(m) for m in metadata]
     rewards, infos = [], []
     with torch.no_grad():
         for i in range(0, len(images), step):
