@@ -26,6 +26,7 @@ FAMILIES = {
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
     "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
+    "WanPipeline": ("refl_ddpo.core.families.wan", "Wan"),
 }
 
 
