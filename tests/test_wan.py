@@ -116,3 +116,74 @@ def test_train_expert_and_unipc_flow_shift(tiny_models):
     )
     euler = family.scheduler("FlowMatchEulerDiscreteScheduler")
     assert type(euler).__name__ == "FlowMatchEulerDiscreteScheduler" and euler.config.shift == 5.0
+
+
+def _inference(tmp_path, model, *flags, lora_dir=None):
+    from refl_ddpo.apps import inference
+    from refl_ddpo.run.flags import parse_config
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{PROMPTS[0]}\n")
+    argv = ["--pretrained_model", str(model), "--prompts_file", str(prompts), "--device", "cpu"]
+    argv += ["--output_dir", str(tmp_path / "out"), "--num_images_per_prompt", "1", "--seed", "3"]
+    argv += [
+        "--num_inference_steps",
+        str(STEPS),
+        "--resolution",
+        str(RES),
+        "--rewards",
+        "jpeg_compressibility",
+    ]
+    argv += ["--num_frames", str(FRAMES), "--guidance_scale", "4", *flags]
+    if lora_dir is None:
+        return inference.run_inference(parse_config(inference.InferenceConfig, argv))
+    argv += ["--lora_dir", str(lora_dir)]
+    return inference.run_inference(parse_config(inference.LoraInferenceConfig, argv))
+
+
+def _frames(out, record) -> torch.Tensor:
+    import numpy as np
+    from PIL import Image
+
+    return torch.stack(
+        [torch.from_numpy(np.array(Image.open(out / f).convert("RGB"))) for f in record["frames"]]
+    )
+
+
+def test_inference_writes_videos_that_match_the_stock_pipeline(tiny_models, tmp_path):
+    """inference.py on tiny Wan 2.2: the video, its frames as PNGs (within 1 grey level of WanPipeline's at the same
+    seed) and its strip, listed in scores.json; the jpeg reward scores the frames (mean of the per-frame scores)."""
+    import json
+
+    from refl_ddpo.rewards.jpeg import jpeg_size_kb
+
+    model = tiny_models / "tiny-wan22"
+    result = _inference(tmp_path, model, "--guidance_scale_2", "2")
+    out = tmp_path / "out"
+    record = result["records"][0]
+    assert record["file"].endswith((".mp4", ".webp", ".gif")) and (out / record["file"]).is_file()
+    assert len(record["frames"]) == FRAMES and (out / record["strip"]).is_file()
+    assert json.loads((out / "scores.json").read_text())["config"]["num_frames"] == FRAMES
+    frames = _frames(out, record)  # (T, H, W, 3) uint8
+    stock = _stock(model)
+    ref = stock(
+        PROMPTS[0],
+        height=RES,
+        width=RES,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        guidance_scale_2=2.0,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).frames[0]
+    assert (frames.float() - torch.from_numpy(ref * 255).round()).abs().max() <= 1
+    per_frame = -jpeg_size_kb(frames.permute(0, 3, 1, 2).float() / 255)
+    assert record["jpeg_compressibility"] == pytest.approx(per_frame.mean().item(), rel=1e-6)
+
+
+def test_num_frames_is_refused_before_loading(tiny_models, tmp_path):
+    with pytest.raises(UserError, match="--num_frames 6"):
+        _inference(tmp_path, tiny_models / "tiny-wan21", "--num_frames", "6")
+    with pytest.raises(UserError, match="--num_frames is for video models"):
+        _inference(tmp_path, tiny_models / "tiny-sd3")

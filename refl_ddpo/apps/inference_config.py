@@ -39,6 +39,8 @@ GENERATION_SETTINGS = (
     "eta",
     "resolution",
     "dtype",
+    "num_frames",
+    "guidance_scale_2",
 )
 
 
@@ -98,6 +100,20 @@ class InferenceConfig(ConfigBase):
     resolution: int | None = field_(
         None, "Image side in pixels (a multiple of the VAE scale factor); default: the model's native one."
     )
+    num_frames: int | None = field_(
+        None,
+        "Video models (Wan): frames per video, 1 + 4 k for Wan's VAE (e.g. 17, 33, 81); default: the pipeline's 81.",
+    )
+    fps: int = field_(16, "Video models: frames per second of the written videos.", gt=0)
+    guidance_scale_2: float | None = field_(
+        None,
+        "Wan 2.2: the guidance scale of its low-noise expert (transformer_2); default: --guidance_scale.",
+    )
+    video_reduction: str = field_(
+        "mean",
+        "Video models: how an image reward scores a video from its frames: mean, min, or mean:K / min:K over K "
+        "frames evenly spaced (the first and the last among them).",
+    )
     # ---- how ----
     batch_size: int = field_(
         4, "Images per UNet batch (CFG doubles the UNet batch); lower it if memory runs out."
@@ -135,6 +151,23 @@ class InferenceConfig(ConfigBase):
         if self.dtype == "auto":
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
+        check_video_flags(self)
+
+
+def check_video_flags(cfg) -> None:
+    """--num_frames, --guidance_scale_2 and --video_reduction fit the model (a video model; a frame count its VAE
+    takes), before any model loads."""
+    from refl_ddpo.core.families.wan import check_num_frames
+    from refl_ddpo.core.models import pipeline_class_name
+    from refl_ddpo.rewards.video import parse_reduction
+
+    parse_reduction(cfg.video_reduction)
+    if pipeline_class_name(cfg.pretrained_model) != "WanPipeline":
+        for flag in ("num_frames", "guidance_scale_2"):
+            if getattr(cfg, flag) is not None:
+                raise UserError(f"--{flag} is for video models (Wan); {cfg.pretrained_model} makes images.")
+    elif cfg.num_frames is not None:
+        check_num_frames(cfg.pretrained_model, cfg.num_frames)
 
 
 @dataclass
