@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.video import frame_indices, parse_reduction
 from refl_ddpo.rewards import build_reward
-from refl_ddpo.rewards.video import frame_indices, frames_reward, parse_reduction, temporal_consistency
+from refl_ddpo.rewards.video import frames_reward, temporal_consistency
 
 
 def brightness(images, prompts, metadata):

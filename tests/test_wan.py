@@ -9,8 +9,9 @@ from diffusers import WanPipeline
 
 from refl_ddpo.core.errors import UserError
 from refl_ddpo.core.families import load_family
-from refl_ddpo.core.families.wan import Wan, check_num_frames
+from refl_ddpo.core.families.wan import Wan
 from refl_ddpo.core.generate import generate_batch
+from refl_ddpo.core.video import check_num_frames
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 

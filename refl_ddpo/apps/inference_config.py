@@ -157,17 +157,11 @@ class InferenceConfig(ConfigBase):
 def check_video_flags(cfg) -> None:
     """--num_frames, --guidance_scale_2 and --video_reduction fit the model (a video model; a frame count its VAE
     takes), before any model loads."""
-    from refl_ddpo.core.families.wan import check_num_frames
-    from refl_ddpo.core.models import pipeline_class_name
-    from refl_ddpo.rewards.video import parse_reduction
+    from refl_ddpo.core.video import check_video_flags as check
+    from refl_ddpo.core.video import parse_reduction
 
     parse_reduction(cfg.video_reduction)
-    if pipeline_class_name(cfg.pretrained_model) != "WanPipeline":
-        for flag in ("num_frames", "guidance_scale_2"):
-            if getattr(cfg, flag) is not None:
-                raise UserError(f"--{flag} is for video models (Wan); {cfg.pretrained_model} makes images.")
-    elif cfg.num_frames is not None:
-        check_num_frames(cfg.pretrained_model, cfg.num_frames)
+    check(cfg.pretrained_model, cfg.num_frames, guidance_scale_2=cfg.guidance_scale_2)
 
 
 @dataclass

@@ -38,6 +38,8 @@ _LORA_FORMATS = {
     "ZImageTransformer2DModel": ("ZImagePipeline", "transformer", False),
     # FLUX.2 [dev] and [klein]: both pipelines load it with the same Flux2LoraLoaderMixin
     "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),
+    # Wan 2.1 / 2.2: a LoRA of Wan 2.2's transformer_2 has the same keys, loaded with load_into_transformer_2=True
+    "WanTransformer3DModel": ("WanPipeline", "transformer", False),
 }
 
 

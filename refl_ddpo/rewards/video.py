@@ -12,27 +12,7 @@ from __future__ import annotations
 import torch
 
 from refl_ddpo.core.errors import UserError
-
-REDUCTIONS = ("mean", "min")
-
-
-def parse_reduction(spec: str) -> tuple[str, int | None]:
-    """'mean' -> ('mean', None); 'min:4' -> ('min', 4): the reduction and how many frames (None: all)."""
-    how, _, k = spec.partition(":")
-    if how not in REDUCTIONS or (k and not (k.isdigit() and int(k) >= 1)):
-        raise UserError(
-            f"--video_reduction {spec}: write mean, min, or mean:K / min:K with K >= 1 frames evenly spaced."
-        )
-    return how, int(k) if k else None
-
-
-def frame_indices(num_frames: int, k: int | None) -> list[int]:
-    """The frames scored: all, or K evenly spaced from the first to the last (the first alone for K = 1)."""
-    if k is None or k >= num_frames:
-        return list(range(num_frames))
-    if k == 1:
-        return [0]
-    return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)]
+from refl_ddpo.core.video import frame_indices, parse_reduction
 
 
 def frames_reward(fn, reduction: str = "mean"):

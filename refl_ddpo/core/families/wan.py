@@ -12,7 +12,8 @@ latents_mean, then the VAE). The frames come out as (B, T, 3, H, W) in [0, 1]: t
 Wan 2.2 (A14B) has two experts: `transformer` denoises the steps with timestep >= boundary_ratio * 1000 (high noise),
 `transformer_2` the others, each with its guidance scale (`guidance_scale_2`, default the first's). The trainers
 train one network: `train_expert` chooses which expert holds the LoRA ("transformer", default, or
-"transformer_2"); the other runs frozen at its steps. A LoRA of `transformer_2` loads into the stock pipeline with
+"transformer_2"); the other runs frozen at its steps, whose loss terms then have a zero gradient (linked to the
+trained network by 0 x one of its weights, so that every training step has a graph). A LoRA of `transformer_2` loads into the stock pipeline with
 `load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one timestep per
 video token, as its pipeline builds them.
 
@@ -23,8 +24,6 @@ flow-matching Euler sampler (its log-prob step is Flow-GRPO's), built with `shif
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -37,28 +36,6 @@ from refl_ddpo.core.steps.flow_sde import step_sigmas
 DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s num_frames
 DEFAULT_FPS = 16  # Wan 2.1's frame rate (the pipeline's examples export at 16 fps)
 EXPERTS = ("transformer", "transformer_2")
-
-
-def vae_config(name: str) -> dict:
-    """The VAE config (vae/config.json) of a local folder or hub id, read without loading weights."""
-    from refl_ddpo.core.models import looks_local
-
-    if looks_local(name):
-        return json.loads((Path(name).expanduser() / "vae" / "config.json").read_text())
-    from diffusers import AutoencoderKLWan
-
-    return dict(AutoencoderKLWan.load_config(name, subfolder="vae"))
-
-
-def check_num_frames(name: str, num_frames: int) -> None:
-    """A one-line UserError unless the VAE's temporal stride s takes `num_frames` (num_frames = 1 + s k)."""
-    stride = int(vae_config(name).get("scale_factor_temporal") or 4)
-    if num_frames < 1 or (num_frames - 1) % stride:
-        near = max(1, (num_frames - 1) // stride * stride + 1)
-        raise UserError(
-            f"--num_frames {num_frames}: this VAE packs {stride} frames into one latent frame after the first, so "
-            f"num_frames must be 1 + {stride} k (e.g. {near} or {near + stride})."
-        )
 
 
 class Wan(StableDiffusion3):
@@ -203,6 +180,10 @@ class Wan(StableDiffusion3):
             e = uncond["prompt_embeds"]
             v_uncond = net(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
+        if network is not None and net is not network and torch.is_grad_enabled():
+            v = v + _zero_from(
+                network
+            )  # the frozen expert's steps: a loss with a (zero) gradient, as the others
         return v
 
     def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
@@ -219,6 +200,12 @@ class Wan(StableDiffusion3):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
         return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+
+
+def _zero_from(network) -> torch.Tensor:
+    """0 from the first trainable tensor of `network` (0 x its first value): adds nothing, links the graph."""
+    p = next((p for p in network.parameters() if p.requires_grad), None)
+    return torch.zeros(()) if p is None else 0.0 * p.reshape(-1)[0]
 
 
 def _rows(cond: Cond | None, idx: torch.Tensor) -> Cond | None:
