@@ -47,19 +47,40 @@ def _stock_video(pipe) -> torch.Tensor:
     return pipe("a cat", generator=torch.Generator().manual_seed(0), **kw).frames
 
 
-def assert_lora_changes_stock_video(model_dir, lora_dir, expert: str) -> None:
+def assert_lora_changes_stock_video(model_dir, lora_dir, expert: str):
     """The stock pipeline's video of "a cat" changes once the LoRA is loaded into `expert`, and every saved matrix
-    lands in one of that expert's layers."""
+    lands in one of that expert's layers. Returns the video with the LoRA."""
     from safetensors.torch import load_file
 
     pipe = WanPipeline.from_pretrained(model_dir)
     pipe.set_progress_bar_config(disable=True)
     before = _stock_video(pipe)
     pipe.load_lora_weights(str(lora_dir), load_into_transformer_2=expert == "transformer_2")
-    assert (before - _stock_video(pipe)).abs().max() > 1e-4
+    after = _stock_video(pipe)
+    assert (before - after).abs().max() > 1e-4
     saved = load_file(lora_dir / "pytorch_lora_weights.safetensors")
     loaded = [n for n, _ in getattr(pipe, expert).named_parameters() if "lora_" in n]
     assert saved and all(k.startswith("transformer.") for k in saved) and len(loaded) == len(saved)
+    return after
+
+
+def lora_inference_video(lora_dir, tmp_path) -> torch.Tensor:
+    """inference_lora.py's frames (T, 3, H, W) in [0, 1] of "a cat", seed 0, 3 steps (the base, the resolution and
+    the expert read from the LoRA's config.json), as the stock call of `_stock_video`."""
+    import numpy as np
+    from PIL import Image
+
+    from refl_ddpo.apps import inference
+    from refl_ddpo.run.flags import parse_config
+
+    (tmp_path / "p.txt").write_text("a cat\n")
+    argv = ["--lora_dir", str(lora_dir), "--prompts_file", str(tmp_path / "p.txt"), "--device", "cpu"]
+    argv += ["--output_dir", str(tmp_path / "lora_out"), "--num_images_per_prompt", "1", "--seed", "0"]
+    argv += ["--num_inference_steps", "3", "--num_frames", str(FRAMES), "--guidance_scale", "5"]
+    argv += ["--rewards", "jpeg_compressibility"]
+    record = inference.run_inference(parse_config(inference.LoraInferenceConfig, argv))["records"][0]
+    frames = [np.array(Image.open(tmp_path / "lora_out" / f).convert("RGB")) for f in record["frames"]]
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255
 
 
 @pytest.mark.parametrize(
@@ -83,7 +104,9 @@ def test_trainer_runs_two_epochs_on_video(trainer, model, expert, tiny_models, t
     assert watch.runs[-1]["family"].network is getattr(watch.runs[-1]["family"].pipe, expert)
     watch.assert_lora_moved_and_base_not(out)
     if trainer in ("grpo", "nft"):
-        assert_lora_changes_stock_video(tiny_models / model, out, expert)
+        stock = assert_lora_changes_stock_video(tiny_models / model, out, expert)[0]
+    if trainer == "grpo":  # the kit's LoRA inference loads it into the expert it trained, as the stock call
+        assert (lora_inference_video(out, tmp_path) - stock).abs().max() * 255 <= 1
 
 
 @pytest.mark.parametrize("model", ["tiny-wan21", "tiny-wan22"])
@@ -99,3 +122,34 @@ def test_grpo_first_update_is_on_policy(model, tiny_models):
     )
     assert tuple(samples["latents"].shape) == (4, 3, 16, 2, 2, 2)  # (B, steps, C, T, h, w)
     assert first["approx_kl"] < 1e-10 and first["clipfrac"] == 0.0, first
+
+
+def test_refl_on_two_of_five_frames_and_the_temporal_term(tiny_models, tmp_path, monkeypatch):
+    """ReFL with a differentiable reward of videos: the aesthetic score of 2 of the 5 decoded frames (mean:2, the
+    gradient through those frames only) plus the temporal-consistency term; two steps, the LoRA moved and no base
+    weight, and it loads in the stock pipeline and changes its video."""
+    from refl_ddpo.trainers import refl
+
+    watch = watch_training(monkeypatch)
+    out = tmp_path / "refl"
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        model="tiny-wan21",
+        resolution=RES,
+        num_frames=FRAMES,
+        reward="aesthetic:1.0,temporal_consistency:0.5",
+        video_reduction="mean:2",
+        num_inference_steps=4,
+        k_lo=2,
+        k_hi=3,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        lora_init="random",
+        device="cpu",
+        report_to="none",
+        max_train_steps=2,
+    )
+    refl.main(flags)
+    watch.assert_lora_moved_and_base_not(out)
+    assert_lora_changes_stock_video(tiny_models / "tiny-wan21", out, "transformer")

@@ -45,6 +45,7 @@ from refl_ddpo.core.errors import UserError, cli_main
 from refl_ddpo.core.generate import IMAGE_FILE, ImageSpec, generate_batch, plan_images
 from refl_ddpo.core.images import caption_grid, fmt_score, to_uint8, write_json_atomic
 from refl_ddpo.core.lora import CONFIG_NAME, load_lora_into_pipeline
+from refl_ddpo.core.lora import read_saved_config as _read_saved
 from refl_ddpo.core.models import torch_dtype
 from refl_ddpo.core.prompts import load_prompts
 from refl_ddpo.run.flags import parse_config
@@ -93,7 +94,8 @@ def load_inference_family(cfg: InferenceConfig) -> tuple[ModelFamily, InferenceC
             f"--resolution {resolution} must be a multiple of this VAE's scale factor {family.vae_scale_factor}."
         )
     if isinstance(cfg, LoraInferenceConfig):
-        load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale)
+        expert = _read_saved(cfg.lora_dir).get("wan_expert") if hasattr(family, "train_expert") else None
+        load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale, expert)
     video = {}
     if hasattr(family, "num_frames"):  # a video model (Wan): its frames and its second expert's guidance
         family.num_frames = cfg.num_frames or family.num_frames

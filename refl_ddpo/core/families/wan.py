@@ -34,7 +34,6 @@ from refl_ddpo.core.families.sd3 import StableDiffusion3
 from refl_ddpo.core.steps.flow_sde import step_sigmas
 
 DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s num_frames
-DEFAULT_FPS = 16  # Wan 2.1's frame rate (the pipeline's examples export at 16 fps)
 EXPERTS = ("transformer", "transformer_2")
 
 
