@@ -97,12 +97,18 @@ def test_trainer_runs_two_epochs_on_video(trainer, model, expert, tiny_models, t
     out = tmp_path / trainer
     extra = {} if trainer == "ddpo" else {"group_size": 2}
     extra |= {"beta": "0.04"} if trainer == "grpo" else {}
+    if trainer == "ddpo":  # validation on videos: scored whole, shown by their first frames
+        (tmp_path / "validation.txt").write_text("a cat\n")
+        extra |= {"validation_prompts_file": tmp_path / "validation.txt", "num_validation_images": 1}
+        extra |= {"validation_num_steps": 2}
     flags = _flags(tiny_models, out, model, wan_expert=expert, **extra)
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
     printed = capsys.readouterr().out
     assert "epoch 2/2" in printed and re.search(r"num_frames +=? *5\b", printed)
     assert watch.runs[-1]["family"].network is getattr(watch.runs[-1]["family"].pipe, expert)
     watch.assert_lora_moved_and_base_not(out)
+    if trainer == "ddpo":
+        assert printed.count("validation after epoch") == 2 and (out / "validation" / "epoch-2.png").is_file()
     if trainer in ("grpo", "nft"):
         stock = assert_lora_changes_stock_video(tiny_models / model, out, expert)[0]
     if trainer == "grpo":  # the kit's LoRA inference loads it into the expert it trained, as the stock call
