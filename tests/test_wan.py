@@ -188,3 +188,20 @@ def test_num_frames_is_refused_before_loading(tiny_models, tmp_path):
         _inference(tmp_path, tiny_models / "tiny-wan21", "--num_frames", "6")
     with pytest.raises(UserError, match="--num_frames is for video models"):
         _inference(tmp_path, tiny_models / "tiny-sd3")
+
+
+def test_memory_benchmark_configs_are_wans_published_sizes():
+    """benchmarks/configs/wan21_*.json (diffusers' conversion script's Wan-T2V-1.3B and -14B, and the VAE it builds)
+    and umt5_xxl_text_encoder.json (Wan's own umt5_xxl) build the published sizes on meta: 1.4 B and 14.3 B
+    transformers, UMT5-XXL's 5.7 B encoder, the 127 M VAE; the text width is the transformers' text_dim."""
+    from benchmarks.family_memory import load_config
+    from benchmarks.wan_memory import TEXT_ENCODER_CONFIG, WAN_MODELS, parameter_counts
+
+    assert parameter_counts() == {
+        "wan21_1_3b": 1_418_996_800,
+        "wan21_14b": 14_288_491_584,
+        "text_encoder": 5_680_910_336,
+        "vae": 126_892_531,
+    }
+    width = load_config(TEXT_ENCODER_CONFIG)["d_model"]
+    assert all(load_config(f)["text_dim"] == width for f in WAN_MODELS.values())
