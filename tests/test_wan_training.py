@@ -65,8 +65,8 @@ def assert_lora_changes_stock_video(model_dir, lora_dir, expert: str):
 
 
 def lora_inference_video(lora_dir, tmp_path) -> torch.Tensor:
-    """inference_lora.py's frames (T, 3, H, W) in [0, 1] of "a cat", seed 0, 3 steps (the base, the resolution and
-    the expert read from the LoRA's config.json), as the stock call of `_stock_video`."""
+    """inference_lora.py's frames (T, 3, H, W) in [0, 1] of "a cat", seed 0, 3 steps (the base, the resolution, the
+    frames and the expert read from the LoRA's config.json), as the stock call of `_stock_video`."""
     import numpy as np
     from PIL import Image
 
@@ -76,7 +76,7 @@ def lora_inference_video(lora_dir, tmp_path) -> torch.Tensor:
     (tmp_path / "p.txt").write_text("a cat\n")
     argv = ["--lora_dir", str(lora_dir), "--prompts_file", str(tmp_path / "p.txt"), "--device", "cpu"]
     argv += ["--output_dir", str(tmp_path / "lora_out"), "--num_images_per_prompt", "1", "--seed", "0"]
-    argv += ["--num_inference_steps", "3", "--num_frames", str(FRAMES), "--guidance_scale", "5"]
+    argv += ["--num_inference_steps", "3", "--guidance_scale", "5"]  # num_frames from config.json
     argv += ["--rewards", "jpeg_compressibility"]
     record = inference.run_inference(parse_config(inference.LoraInferenceConfig, argv))["records"][0]
     frames = [np.array(Image.open(tmp_path / "lora_out" / f).convert("RGB")) for f in record["frames"]]

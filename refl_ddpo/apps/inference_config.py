@@ -177,6 +177,11 @@ class LoraInferenceConfig(InferenceConfig):
         None,
         "Image side in pixels; default: the resolution recorded in lora_dir/config.json, else the model's native one.",
     )
+    num_frames: int | None = field_(
+        None,
+        "Video models (Wan): frames per video, 1 + 4 k; default: the num_frames recorded in lora_dir/config.json, "
+        "else the pipeline's 81.",
+    )
     output_dir: str = field_(
         "outputs/lora",
         "Folder for the PNGs, grid.png and scores.json. An earlier inference run's files there are deleted once the "
@@ -238,6 +243,8 @@ class LoraInferenceConfig(InferenceConfig):
                     ) from None
         if self.resolution is None and saved.get("resolution"):
             self.resolution = int(saved["resolution"])
+        if self.num_frames is None and saved.get("num_frames"):  # a video model's, as trained
+            self.num_frames = int(saved["num_frames"])
         super().check()
         check_lora_dir(lora_dir)
 
