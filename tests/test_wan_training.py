@@ -159,3 +159,24 @@ def test_refl_on_two_of_five_frames_and_the_temporal_term(tiny_models, tmp_path,
     refl.main(flags)
     watch.assert_lora_moved_and_base_not(out)
     assert_lora_changes_stock_video(tiny_models / "tiny-wan21", out, "transformer")
+
+
+def test_flow_factory_wan22_preset_trains_on_the_tiny_wan22(tiny_models, tmp_path, capsys, monkeypatch):
+    """The Wan preset (Flow-Factory's LoRA example, the high-noise expert) scaled down to the tiny Wan 2.2: one group
+    of 2, JPEG size as reward, one epoch, CPU precision; its 5 frames, 10 steps, CFG 5 and a 1-step SDE window."""
+    from helpers import train_preset_small
+
+    from refl_ddpo.trainers import grpo
+
+    out = tmp_path / "preset"
+    train_preset_small(
+        monkeypatch,
+        capsys,
+        grpo.main,
+        tiny_models,
+        out,
+        "flow_factory_wan22",
+        model="tiny-wan22",
+        resolution=RES,
+    )
+    assert_lora_changes_stock_video(tiny_models / "tiny-wan22", out, "transformer")
