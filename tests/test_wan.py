@@ -205,3 +205,24 @@ def test_memory_benchmark_configs_are_wans_published_sizes():
     }
     width = load_config(TEXT_ENCODER_CONFIG)["d_model"]
     assert all(load_config(f)["text_dim"] == width for f in WAN_MODELS.values())
+
+
+def test_expand_timesteps_as_ti2v_5b(tiny_models):
+    """A folder whose pipeline says `expand_timesteps` (Wan2.2-TI2V-5B's per-token timesteps) draws the stock
+    pipeline's video: the kit hands the transformer one timestep per video token, as the pipeline builds them."""
+    family = _family(tiny_models / "tiny-wan21")
+    family.pipe.register_to_config(expand_timesteps=True)
+    videos = generate_batch(family, PROMPTS[:1], SEEDS[:1], RES, STEPS, 4.0)
+    stock = WanPipeline.from_pretrained(tiny_models / "tiny-wan21", expand_timesteps=True)
+    stock.set_progress_bar_config(disable=True)
+    ref = stock(
+        PROMPTS[:1],
+        height=RES,
+        width=RES,
+        num_frames=FRAMES,
+        num_inference_steps=STEPS,
+        guidance_scale=4.0,
+        generator=[torch.Generator().manual_seed(SEEDS[0])],
+        output_type="pt",
+    ).frames
+    assert stock.config.expand_timesteps and (videos - ref).abs().max().item() * 255 <= 1.0
