@@ -77,3 +77,15 @@ def proxy_schedule(images, prompts, metadata):
 
 
 proxy_schedule.differentiable = True
+
+
+def slow_redness(images, prompts, metadata):
+    """redness, taking 5 s over a batch with the prompt "slow": the reward server's tests kill its worker mid-call."""
+    import time
+
+    if "slow" in prompts:
+        time.sleep(5.0)
+    return redness(images, prompts, metadata)
+
+
+slow_redness.differentiable = True

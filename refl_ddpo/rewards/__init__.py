@@ -44,6 +44,7 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "aesthetic": ("refl_ddpo.rewards.aesthetic", "aesthetic", True),
     "clip_score": ("refl_ddpo.rewards.clip", "clip_score", True),
     "hpsv2": ("refl_ddpo.rewards.hpsv2", "hpsv2", True),
+    "hpsv3": ("refl_ddpo.rewards.hpsv3", "hpsv3", True),
     "imagereward": ("refl_ddpo.rewards.imagereward", "imagereward", True),
     "jpeg_compressibility": ("refl_ddpo.rewards.jpeg", "jpeg_compressibility", False),
     "jpeg_incompressibility": ("refl_ddpo.rewards.jpeg", "jpeg_incompressibility", False),
@@ -78,6 +79,11 @@ REWARD_FILES: dict[str, tuple[tuple[str, ...], bool, str]] = {
         ("ImageReward.pt", "med_config.json", "bert-base-uncased"),
         True,
         "put ImageReward.pt, med_config.json and bert-base-uncased/ there (see checkpoint/README.md)",
+    ),
+    "hpsv3": (
+        ("HPSv3.safetensors", "Qwen2-VL-7B-Instruct/config.json"),
+        False,
+        "put HPSv3.safetensors (MizzenAI/HPSv3) and Qwen2-VL-7B-Instruct/ there (see docs/rewards.md)",
     ),
     "toy_classifier": (
         ("toy_classifier.safetensors", "toy_classifier.json"),

@@ -1,9 +1,13 @@
 """`remote:URL`: a reward scored by a reward server (`python -m refl_ddpo.rewards.serve`) over HTTP. Not
 differentiable (JSON carries no gradient): DDPO / GRPO and inference use it, ReFL refuses it.
 
+A server of several rewards serves each at its own path: `remote:http://HOST:PORT/NAME` picks reward NAME (the
+URL then reaches GET /NAME/health and POST /NAME/score); `remote:http://HOST:PORT` reaches a server of one reward.
+
 Wire format (JSON only, no pickle), shared with refl_ddpo.rewards.serve:
 
-    GET  /health  -> {"status": "ok", "reward": SPEC, "differentiable": bool}
+    GET  /health  -> {"status": "ok", "reward": SPEC, "differentiable": bool} (several rewards: {"status",
+                     "rewards": {NAME: state}}); 503 with {"status", "error"} while a reward loads or is down
     POST /score   {"images": IMAGES, "prompts": [str] * B, "metadata": [dict] * B}
                   -> {"rewards": [float] * B, "info": {key: [float] * B or float}}
                   an error -> HTTP 4xx / 5xx with {"error": "one line"}
@@ -12,9 +16,10 @@ Wire format (JSON only, no pickle), shared with refl_ddpo.rewards.serve:
     C-order bytes} (float32 in [0, 1], or uint8 0..255), or {"encoding": "png", "data": [base64 PNG] * B}.
 
 The client sends raw float32, so the server scores exactly the tensor the trainer holds: `remote:` equals the
-reward in process (tests/test_remote_reward.py checks it to 1e-4). Each batch is one request, scored by the server in
-one call. Timeouts, a few retries with backoff on connection errors, timeouts and 5xx answers, and a one-line
-UserError naming the URL when the server is down, slow, or answers something that is not the format above.
+reward in process (tests/test_remote_reward.py checks it to 1e-4). Each batch is one request. Timeouts, a bounded
+number of retries with backoff on connection errors, timeouts and 5xx answers (a reward still loading, or its worker
+being started again, answers 503), and then a one-line UserError naming the URL and the reward when the server is
+down, slow, or answers something that is not the format above.
 """
 
 from __future__ import annotations
@@ -26,11 +31,16 @@ import math
 import time
 import urllib.error
 import urllib.request
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from refl_ddpo.core.errors import UserError
+
+if (
+    TYPE_CHECKING
+):  # torch is imported where it is used: the reward server's HTTP process decodes with numpy alone
+    import torch
 
 TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU can take a while)
 RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers
@@ -43,6 +53,8 @@ MAX_ERROR_CHARS = 300
 
 def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
     """images [B, 3, H, W] in [0, 1] -> the JSON object of the wire format (raw bytes, base64)."""
+    import torch
+
     x = images.detach().float().cpu()
     if dtype == "uint8":
         arr = (x.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
@@ -54,6 +66,13 @@ def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
 
 def decode_images(obj) -> torch.Tensor:
     """The wire format's IMAGES -> float32 [B, 3, H, W] in [0, 1]; ValueError with one line for anything else."""
+    import torch
+
+    return torch.from_numpy(decode_array(obj))
+
+
+def decode_array(obj) -> np.ndarray:
+    """decode_images as a numpy array (float32 [B, 3, H, W] in [0, 1], C-order)."""
     if not isinstance(obj, dict):
         raise ValueError("'images' must be an object with 'encoding' raw or png")  # noqa: TRY004 (a 400)
     encoding = obj.get("encoding", "raw")
@@ -74,7 +93,9 @@ def decode_images(obj) -> torch.Tensor:
             raise ValueError("png images must all have the same size")
         # contiguous [B, 3, H, W], as the raw encoding gives: a reward then scores a PNG as it scores the same pixels
         # sent raw (a channels-last view rounds differently in the resize before a model, by up to about 1e-6)
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().float() / 255
+        return np.ascontiguousarray(np.stack(arrays).transpose(0, 3, 1, 2)).astype(np.float32) / np.float32(
+            255
+        )
     if encoding != "raw":
         raise ValueError(f"unknown image encoding {encoding!r} (raw or png)")
     dtype, shape = obj.get("dtype"), obj.get("shape")
@@ -95,12 +116,13 @@ def decode_images(obj) -> torch.Tensor:
     if len(raw) != math.prod(shape) * np_dtype.itemsize:
         raise ValueError(f"raw images: {len(raw)} bytes do not hold {dtype} of shape {shape}")
     arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
-    x = torch.from_numpy(arr.copy())
-    return x.float() / 255 if dtype == "uint8" else x
+    return arr.astype(np.float32) / np.float32(255) if dtype == "uint8" else arr.copy()
 
 
 def jsonable_info(info: dict, batch: int) -> dict:
     """The info dict's scalars and (B,) tensors as JSON numbers; other entries are left out."""
+    import torch
+
     out = {}
     for key, value in info.items():
         if torch.is_tensor(value):
@@ -129,6 +151,10 @@ class RemoteReward:
     ):
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.reward = ""  # the reward's name or spec, once /health has told it
+
+    def _where(self) -> str:
+        return f"reward server {self.url}" + (f" (reward {self.reward})" if self.reward else "")
 
     def _request(self, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
         """JSON in, JSON out, with retries; every failure is a one-line UserError naming the URL."""
@@ -162,25 +188,34 @@ class RemoteReward:
                 answer = json.loads(body)
             except ValueError:
                 raise UserError(
-                    f"reward server {self.url}: {path} answered something that is not JSON "
+                    f"{self._where()}: {path} answered something that is not JSON "
                     f"({_first_line(body.decode('utf-8', 'replace'))[:80]!r}); is {self.url} a refl_ddpo reward "
                     "server (python -m refl_ddpo.rewards.serve)?"
                 ) from None
             if not isinstance(answer, dict):
-                raise UserError(f"reward server {self.url}: {path} answered JSON that is not an object.")
+                raise UserError(f"{self._where()}: {path} answered JSON that is not an object.")
             return answer
         raise UserError(
-            f"reward server {self.url}: {path} failed after {self.retries + 1} attempt(s) ({last}); check that "
+            f"{self._where()}: {path} failed after {self.retries + 1} attempt(s) ({last}); check that "
             "`python -m refl_ddpo.rewards.serve` runs there and the URL is right."
         )
 
     def health(self, timeout: float = 10.0) -> dict:
         answer = self._request("/health", timeout=timeout)
+        if "reward" not in answer and isinstance(answer.get("rewards"), dict):
+            names = list(answer["rewards"])
+            raise UserError(
+                f"reward server {self.url} serves several rewards ({', '.join(names)}): name one, "
+                f"remote:{self.url}/{names[0] if names else 'NAME'}."
+            )
         if answer.get("status") != "ok":
-            raise UserError(f"reward server {self.url}: /health answered {json.dumps(answer)[:120]}.")
+            raise UserError(f"{self._where()}: /health answered {json.dumps(answer)[:120]}.")
+        self.reward = str(answer.get("name") or answer.get("reward") or "")
         return answer
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        import torch
+
         batch = len(images)
         answer = self._request(
             "/score",
@@ -193,7 +228,7 @@ class RemoteReward:
             or not all(isinstance(r, int | float) and not isinstance(r, bool) for r in rewards)
         ):
             raise UserError(
-                f"reward server {self.url}: /score answered {json.dumps(answer)[:120]}, not {batch} rewards "
+                f"{self._where()}: /score answered {json.dumps(answer)[:120]}, not {batch} rewards "
                 "as a list of numbers under 'rewards'."
             )
         info = {}

@@ -25,6 +25,7 @@ writes
     OUT/pickscore/, OUT/clip_score/   tiny CLIPModel + processor folders (refl_ddpo.rewards.clip)
     OUT/hpsv2/              tiny open_clip ViT in the 'local-dir' layout (refl_ddpo.rewards.hpsv2)
     OUT/bertscore/          tiny BERT for vlm_bertscore's BERTScore recall (refl_ddpo.rewards.vlm)
+    OUT/hpsv3/              tiny Qwen2-VL HPSv3: HPSv3.safetensors + Qwen2-VL-7B-Instruct/ (refl_ddpo.rewards.hpsv3)
 (the reward models' writers are in refl_ddpo.testing.tiny_rewards)
 
 Same code paths and file layouts as the real weights, random values from fixed seeds, a few MB, a few seconds.
@@ -316,6 +317,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     tiny_rewards.write_clip(out, seed=seed)
     tiny_rewards.write_hpsv2(out, seed=seed)
     tiny_rewards.write_bertscore(out, seed=seed)
+    tiny_rewards.write_hpsv3(out, seed=seed)
     if denoiser_steps:
         write_tiny_stable_diffusion(out, seed, denoiser_steps)
     return out

@@ -6,6 +6,7 @@ seeded, a few MB, seconds to build (refl_ddpo.testing.tiny.write_tiny_models wri
     write_clip          pickscore/ and clip_score/                            (refl_ddpo.rewards.clip)
     write_hpsv2         hpsv2/, an open_clip 'local-dir' folder               (refl_ddpo.rewards.hpsv2)
     write_bertscore     bertscore/, a BERT for vlm_bertscore                  (refl_ddpo.rewards.vlm)
+    write_hpsv3         hpsv3/, HPSv3.safetensors + Qwen2-VL-7B-Instruct/     (refl_ddpo.rewards.hpsv3)
 """
 
 from __future__ import annotations
@@ -262,4 +263,79 @@ def write_bertscore(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     folder = out_dir / vlm.BERTSCORE_DIR
     BertModel(config).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+# Qwen2-VL's special tokens, in the order of its tokenizer; <|endoftext|> pads.
+_QWEN2_VL_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+
+def write_hpsv3(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A tiny random HPSv3 at `out_dir/hpsv3/` in the layout refl_ddpo.rewards.hpsv3 reads: HPSv3.safetensors (the
+    checkpoint's keys: visual.*, model.*, lm_head.*, rm_head.*) and Qwen2-VL-7B-Instruct/ (config.json and a
+    byte-level Qwen2 tokenizer built offline). Qwen2-VL at width 32, 2 layers; the same sizes as
+    tests/fixtures/hpsv3_tiny; every weight redrawn as `_redraw` does, so that each one matters."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Tokenizer, Qwen2VLConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+        Qwen2VLTextModel,
+    )
+
+    from refl_ddpo.rewards import hpsv3
+    from refl_ddpo.rewards.hpsv3_model import HPSv3Model
+    from refl_ddpo.testing.tiny_parts import byte_chars
+
+    folder = Path(out_dir) / "hpsv3"
+    base = folder / hpsv3.BASE_DIR
+    base.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(byte_chars())}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": _QWEN2_VL_SPECIALS[1:]})
+    tokenizer.save_pretrained(base)
+    ids = tokenizer.convert_tokens_to_ids(_QWEN2_VL_SPECIALS)
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer) + 1,  # + <|Reward|>, which HPSv3 adds
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},  # sums to head_dim / 2
+            "bos_token_id": ids[0],
+            "eos_token_id": ids[2],
+            "pad_token_id": ids[0],
+        },
+        vision_config={"depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2},
+        vision_start_token_id=ids[3],
+        vision_end_token_id=ids[4],
+        image_token_id=ids[5],
+        video_token_id=ids[6],
+    )
+    config.save_pretrained(base)
+    with torch.random.fork_rng(devices=[]):
+        model = HPSv3Model(
+            Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config),
+            Qwen2VLTextModel._from_config(config.text_config),
+            len(tokenizer),
+            config.image_token_id,
+        )
+    generator = torch.Generator().manual_seed(seed + 50)
+    _redraw(model, generator)
+    lm_head = torch.randn(len(tokenizer) + 1, 32, generator=generator)  # in the file, never read
+    state_dict = {
+        {"language_model": "model"}.get(k.split(".")[0], k.split(".")[0]) + k[k.index(".") :]: v.contiguous()
+        for k, v in model.state_dict().items()
+    }
+    save_file({**state_dict, "lm_head.weight": lm_head}, folder / hpsv3.CHECKPOINT_FILE)
     return folder

@@ -145,7 +145,9 @@ class ReFLConfig(*SHARED_PARTS):
         False, "Recompute VAE decoder activations in backward (saves memory)."
     )
     reward_gradient_checkpointing: bool = field_(
-        False, "Recompute ImageReward's ViT and text-layer activations in backward (saves memory)."
+        False,
+        "Recompute the reward model's activations in backward (saves memory): ImageReward's ViT and text layers, "
+        "HPSv3's vision blocks and decoder layers.",
     )
     reward_antialias: bool = field_(
         True,
@@ -245,11 +247,14 @@ class ReFLConfig(*SHARED_PARTS):
                 f"reward: choose a differentiable one ({names}), mark your own reward_fn `differentiable = True` "
                 "if it keeps the graph, or train this reward with DDPO."
             )
-        if "imagereward" not in [name for name, _ in parse_reward_spec(self.reward)] and (
-            self.reward_gradient_checkpointing or not self.reward_antialias
-        ):
+        names = [name for name, _ in parse_reward_spec(self.reward)]
+        if "imagereward" not in names and not self.reward_antialias:
             raise UserError(
-                "--reward_gradient_checkpointing / --no-reward_antialias apply to ImageReward, which "
+                f"--no-reward_antialias applies to ImageReward, which --reward {self.reward} does not include."
+            )
+        if not {"imagereward", "hpsv3"} & set(names) and self.reward_gradient_checkpointing:
+            raise UserError(
+                "--reward_gradient_checkpointing applies to ImageReward and HPSv3, which "
                 f"--reward {self.reward} does not include."
             )
 

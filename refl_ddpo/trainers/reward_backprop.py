@@ -174,14 +174,16 @@ class State:
 
 
 def build_refl_reward(cfg: ReFLConfig, device: torch.device, dtype: torch.dtype):
-    """The reward, with --reward_antialias and --reward_gradient_checkpointing passed to ImageReward's factory."""
+    """The reward, with --reward_antialias and --reward_gradient_checkpointing passed to ImageReward's factory, and
+    --reward_gradient_checkpointing to HPSv3's."""
     from refl_ddpo.rewards import build_reward
 
     options = {
         "imagereward": {
             "antialias": cfg.reward_antialias,
             "gradient_checkpointing": cfg.reward_gradient_checkpointing,
-        }
+        },
+        "hpsv3": {"gradient_checkpointing": cfg.reward_gradient_checkpointing},
     }
     return build_reward(
         cfg.reward, device, dtype, cfg.reward_model_dir, options=options, video_reduction=cfg.video_reduction
