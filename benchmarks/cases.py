@@ -158,7 +158,7 @@ def _pixel_mean_reward():
     """A stand-in reward for DDPO timing (JPEG size, aesthetic or ImageReward would add their own cost)."""
     from refl_ddpo.rewards import Reward
 
-    return Reward("pixel_mean", lambda images, prompts, metadata: (images.mean(dim=(1, 2, 3)), {}), False)
+    return Reward("pixel_mean", lambda images, prompts, metadata: (images.flatten(1).mean(1), {}), False)
 
 
 def _sample(b: Bench, config, family, scheduler, unet, uncond, prompt_fn, reward):

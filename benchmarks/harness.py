@@ -20,7 +20,7 @@ from refl_ddpo.core.errors import UserError
 
 def set_checkpointing(enable: bool, unet=None, vae=None, reward=None) -> None:
     for model in (unet, vae):
-        if model is not None:
+        if model is not None and model._supports_gradient_checkpointing:  # AutoencoderKLWan has none
             model.enable_gradient_checkpointing() if enable else model.disable_gradient_checkpointing()
     if reward is not None:
         reward.set_gradient_checkpointing(enable)

@@ -40,11 +40,13 @@ from refl_ddpo.apps.inference_config import (
     reward_label,
     reward_list,
 )
+from refl_ddpo.apps.video_outputs import VIDEO_FILE, save_video
 from refl_ddpo.core.edit_data import SOURCE_PATHS, load_edit_data, with_source_images
 from refl_ddpo.core.errors import UserError, cli_main
 from refl_ddpo.core.generate import IMAGE_FILE, ImageSpec, generate_batch, plan_images
 from refl_ddpo.core.images import caption_grid, fmt_score, to_uint8, write_json_atomic
 from refl_ddpo.core.lora import CONFIG_NAME, load_lora_into_pipeline
+from refl_ddpo.core.lora import read_saved_config as _read_saved
 from refl_ddpo.core.models import torch_dtype
 from refl_ddpo.core.prompts import load_prompts
 from refl_ddpo.run.flags import parse_config
@@ -93,8 +95,14 @@ def load_inference_family(cfg: InferenceConfig) -> tuple[ModelFamily, InferenceC
             f"--resolution {resolution} must be a multiple of this VAE's scale factor {family.vae_scale_factor}."
         )
     if isinstance(cfg, LoraInferenceConfig):
-        load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale)
-    used = dataclasses.replace(cfg, scheduler=scheduler, resolution=resolution)
+        expert = _read_saved(cfg.lora_dir).get("wan_expert") if hasattr(family, "train_expert") else None
+        load_lora_into_pipeline(family.pipe, cfg.lora_dir, cfg.lora_scale, expert)
+    video = {}
+    if hasattr(family, "num_frames"):  # a video model (Wan): its frames and its second expert's guidance
+        family.num_frames = cfg.num_frames or family.num_frames
+        family.guidance_scale_2 = cfg.guidance_scale_2
+        video = {"num_frames": family.num_frames}
+    used = dataclasses.replace(cfg, scheduler=scheduler, resolution=resolution, **video)
     if hasattr(cfg, "base_from_lora_config"):  # set by check() beside the fields: kept on the copy
         used.base_from_lora_config = cfg.base_from_lora_config
     return family, resolve_guidance(used, type(family))
@@ -110,13 +118,15 @@ class RewardScorer:
     answers (tests/test_remote_reward.py checks both to 1e-6). Without ImageReward's files its scores are None, with
     `error` saying why; any other reward must load. A non-finite score stops the run."""
 
-    def __init__(self, spec: str, model_dir: str, device: str):
+    def __init__(self, spec: str, model_dir: str, device: str, video_reduction: str = "mean"):
         from refl_ddpo.rewards import build_reward
 
         self.spec, self.device = spec, torch.device(device)
         self.reward, self.error = None, None
         try:
-            self.reward = build_reward(spec, self.device, torch.float32, model_dir)
+            self.reward = build_reward(
+                spec, self.device, torch.float32, model_dir, video_reduction=video_reduction
+            )
         except (UserError, ImportError) as e:
             if spec != SCORE_KEY:  # only ImageReward's files may be missing (check_reward_list let them pass)
                 raise
@@ -126,12 +136,13 @@ class RewardScorer:
     def __call__(
         self, prompts: list[str], pixels: torch.Tensor, metadata: list[dict] | None = None
     ) -> list[float | None]:
-        """Scores of `pixels` (B, H, W, 3) uint8, the images as saved, for their prompts (and metadata)."""
+        """Scores of `pixels` (B, H, W, 3) uint8, the images as saved (or videos' frames (B, T, H, W, 3)), for their
+        prompts (and metadata)."""
         if self.reward is None:
             return [None] * len(prompts)
         # (B, 3, H, W) in [0, 1], contiguous as decoded images and the remote client's batches are: the resize
         # before a reward model rounds differently on a channels-last view (by up to about 1e-6)
-        batch = (pixels.permute(0, 3, 1, 2).contiguous().float() / 255).to(self.device)
+        batch = (pixels.movedim(-1, -3).contiguous().float() / 255).to(self.device)
         with torch.no_grad():
             rewards, _ = self.reward(batch, list(prompts), [dict(m) for m in metadata or [{}] * len(prompts)])
         scores = [float(r) for r in rewards.detach().float().cpu()]
@@ -145,9 +156,11 @@ class RewardScorer:
         return scores
 
 
-def make_scorers(spec: str, model_dir: str, device: str) -> dict[str, RewardScorer]:
+def make_scorers(
+    spec: str, model_dir: str, device: str, video_reduction: str = "mean"
+) -> dict[str, RewardScorer]:
     """name -> scorer(prompts, uint8 pixels, metadata) -> [score or None], for each reward of --rewards in order."""
-    return {name: RewardScorer(name, model_dir, device) for name in reward_list(spec)}
+    return {name: RewardScorer(name, model_dir, device, video_reduction) for name in reward_list(spec)}
 
 
 def _batches(items: list, size: int) -> Iterator[list]:
@@ -191,7 +204,7 @@ def earlier_outputs(out_dir: Path) -> list[Path]:
     or of the user is ever deleted."""
     own, other = [], []
     for path in sorted(out_dir.iterdir()):
-        if path.name in (SCORES_FILE, GRID_FILE, f".{SCORES_FILE}.tmp") or IMAGE_FILE.fullmatch(path.name):
+        if path.name in (SCORES_FILE, GRID_FILE, f".{SCORES_FILE}.tmp") or _own_file(path.name):
             own.append(path)
         elif not path.name.startswith("."):
             other.append(path.name)
@@ -204,18 +217,28 @@ def earlier_outputs(out_dir: Path) -> list[Path]:
     return sorted(own, key=lambda p: p.name != SCORES_FILE)
 
 
+def _own_file(name: str) -> bool:
+    return bool(IMAGE_FILE.fullmatch(name) or VIDEO_FILE.fullmatch(name))
+
+
 def _save_batch(out_dir: Path, batch: list[ImageSpec], pixels: torch.Tensor, scores: dict, settings: dict):
     """The batch's PNGs (generation settings in their text chunks) and one record each (prompt, seed, file, every
-    reward's score)."""
+    reward's score). Videos (`pixels` (B, T, H, W, 3)): each video's file, frame PNGs and strip
+    (`refl_ddpo.apps.video_outputs`), listed in its record."""
     from PIL import Image
 
     records = []
     for b, spec in enumerate(batch):
-        Image.fromarray(pixels[b].numpy()).save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
+        if pixels.ndim == 5:
+            stem = Path(spec.file).stem
+            files = save_video(out_dir, stem, pixels[b], settings["fps"], _png_info(spec, settings))
+        else:
+            Image.fromarray(pixels[b].numpy()).save(out_dir / spec.file, pnginfo=_png_info(spec, settings))
+            files = {"file": spec.file}
         record = {
             "prompt": spec.prompt,
             "seed": spec.seed,
-            "file": spec.file,
+            **files,
             **{n: values[b] for n, values in scores.items()},
             "prompt_index": spec.prompt_index,
             "image_index": spec.image_index,
@@ -300,10 +323,10 @@ def run_inference(cfg: InferenceConfig) -> dict:
     family, cfg = load_inference_family(cfg)  # the settings the model decides, where left unset
     resolved = {k: getattr(cfg, k) for k in ("scheduler", "resolution", "guidance_scale")}
     print("  used: " + ", ".join(f"{k} {v}" for k, v in resolved.items()), flush=True)
-    scorers = make_scorers(cfg.rewards, cfg.reward_model_dir, cfg.device)
+    scorers = make_scorers(cfg.rewards, cfg.reward_model_dir, cfg.device, cfg.video_reduction)
     names = list(scorers)
     settings = {
-        k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "lora_dir", "lora_scale") if hasattr(cfg, k)
+        k: getattr(cfg, k) for k in (*GENERATION_SETTINGS, "fps", "lora_dir", "lora_scale") if hasattr(cfg, k)
     }
 
     # ---- generate: from here on the folder's old results are stale (scores.json goes first) ----
@@ -330,11 +353,12 @@ def run_inference(cfg: InferenceConfig) -> dict:
                     f"the model gave {bad} of {len(batch)} images with NaN or inf pixels (e.g. "
                     f"'{batch[0].prompt}'); check --pretrained_model, --lora_dir and --dtype (fp16 can overflow)."
                 )
-            pixels = to_uint8(images)  # (B, H, W, 3)
+            pixels = to_uint8(images.flatten(0, -4)).unflatten(0, images.shape[:-3])  # (B, [T,] H, W, 3)
             batch_prompts = [s.prompt for s in batch]
             scores = {n: fn(batch_prompts, pixels, batch_metadata) for n, fn in scorers.items()}  # as saved
             records += _save_batch(out_dir, batch, pixels, scores, settings)
-            grid_images.extend(pixels[: max(0, cfg.grid_max_images - len(grid_images))])
+            firsts = pixels[:, 0] if pixels.ndim == 5 else pixels  # a video's first frame in the grid
+            grid_images.extend(firsts[: max(0, cfg.grid_max_images - len(grid_images))])
             bar.set_postfix(  # the running mean of each reward
                 {n: fmt_score(score_summary([r[n] for r in records])[0]) for n in names}, refresh=False
             )

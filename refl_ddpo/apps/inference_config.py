@@ -40,6 +40,8 @@ GENERATION_SETTINGS = (
     "eta",
     "resolution",
     "dtype",
+    "num_frames",
+    "guidance_scale_2",
 )
 
 
@@ -106,6 +108,20 @@ class InferenceConfig(ConfigBase):
     resolution: int | None = field_(
         None, "Image side in pixels (a multiple of the VAE scale factor); default: the model's native one."
     )
+    num_frames: int | None = field_(
+        None,
+        "Video models (Wan): frames per video, 1 + 4 k for Wan's VAE (e.g. 17, 33, 81); default: the pipeline's 81.",
+    )
+    fps: int = field_(16, "Video models: frames per second of the written videos.", gt=0)
+    guidance_scale_2: float | None = field_(
+        None,
+        "Wan 2.2: the guidance scale of its low-noise expert (transformer_2); default: --guidance_scale.",
+    )
+    video_reduction: str = field_(
+        "mean",
+        "Video models: how an image reward scores a video from its frames: mean, min, or mean:K / min:K over K "
+        "frames evenly spaced (the first and the last among them).",
+    )
     # ---- how ----
     batch_size: int = field_(
         4, "Images per UNet batch (CFG doubles the UNet batch); lower it if memory runs out."
@@ -144,6 +160,17 @@ class InferenceConfig(ConfigBase):
             self.dtype = "fp16" if torch.device(self.device).type == "cuda" else "fp32"
         check_pretrained_model(self.pretrained_model)
         check_edit_data(self.pretrained_model, self.edit_data)
+        check_video_flags(self)
+
+
+def check_video_flags(cfg) -> None:
+    """--num_frames, --guidance_scale_2 and --video_reduction fit the model (a video model; a frame count its VAE
+    takes), before any model loads."""
+    from refl_ddpo.core.video import check_video_flags as check
+    from refl_ddpo.core.video import parse_reduction
+
+    parse_reduction(cfg.video_reduction)
+    check(cfg.pretrained_model, cfg.num_frames, guidance_scale_2=cfg.guidance_scale_2)
 
 
 @dataclass
@@ -158,6 +185,11 @@ class LoraInferenceConfig(InferenceConfig):
     resolution: int | None = field_(
         None,
         "Image side in pixels; default: the resolution recorded in lora_dir/config.json, else the model's native one.",
+    )
+    num_frames: int | None = field_(
+        None,
+        "Video models (Wan): frames per video, 1 + 4 k; default: the num_frames recorded in lora_dir/config.json, "
+        "else the pipeline's 81.",
     )
     output_dir: str = field_(
         "outputs/lora",
@@ -220,6 +252,8 @@ class LoraInferenceConfig(InferenceConfig):
                     ) from None
         if self.resolution is None and saved.get("resolution"):
             self.resolution = int(saved["resolution"])
+        if self.num_frames is None and saved.get("num_frames"):  # a video model's, as trained
+            self.num_frames = int(saved["num_frames"])
         super().check()
         check_lora_dir(lora_dir)
 

@@ -38,6 +38,8 @@ _LORA_FORMATS = {
     "ZImageTransformer2DModel": ("ZImagePipeline", "transformer", False),
     # FLUX.2 [dev] and [klein]: both pipelines load it with the same Flux2LoraLoaderMixin
     "Flux2Transformer2DModel": ("Flux2Pipeline", "transformer", False),
+    # Wan 2.1 / 2.2: a LoRA of Wan 2.2's transformer_2 has the same keys, loaded with load_into_transformer_2=True
+    "WanTransformer3DModel": ("WanPipeline", "transformer", False),
 }
 
 
@@ -160,8 +162,11 @@ def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
         raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
 
 
-def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> None:
-    """Inference: apply a saved LoRA (or full UNet) from `lora_dir` to `pipe`, with one-line errors."""
+def load_lora_into_pipeline(
+    pipe, lora_dir: str | Path, scale: float = 1.0, expert: str | None = None
+) -> None:
+    """Inference: apply a saved LoRA (or full UNet) from `lora_dir` to `pipe`, with one-line errors. `expert`
+    "transformer_2": a LoRA of Wan 2.2's low-noise expert, loaded there."""
     lora_dir = Path(lora_dir)
     if (lora_dir / FULL_UNET_DIR / "config.json").is_file():
         from diffusers import UNet2DConditionModel
@@ -181,7 +186,8 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
     try:
-        pipe.load_lora_weights(str(lora_dir), adapter_name="default")
+        into_2 = {"load_into_transformer_2": True} if expert == "transformer_2" else {}
+        pipe.load_lora_weights(str(lora_dir), adapter_name="default", **into_2)
     except (RuntimeError, ValueError, KeyError) as e:
         msg = " ".join(str(e).split())[:300]
         raise UserError(
@@ -189,7 +195,7 @@ def load_lora_into_pipeline(pipe, lora_dir: str | Path, scale: float = 1.0) -> N
         ) from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
-    network = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    network = pipe.unet if hasattr(pipe, "unet") else getattr(pipe, expert or "transformer")
     _check_all_unet_keys_loaded(network, lora_dir)
     _check_finite(network, lora_dir, lambda name: "lora_" in name)
     if scale != 1.0:

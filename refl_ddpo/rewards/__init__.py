@@ -2,7 +2,8 @@
 
     reward_fn(images, prompts, metadata) -> (rewards, info)
 
-`images` is a float tensor [B, 3, H, W] in [0, 1] on the reward's device, `prompts` a list of B strings, `metadata` a
+`images` is a float tensor [B, 3, H, W] (or videos [B, T, 3, H, W]: image rewards score their frames, see `video`)
+in [0, 1] on the reward's device, `prompts` a list of B strings, `metadata` a
 list of B dicts from the prompt source (for an edit, `metadata[i]["source_images"]`: the sample's source images, a
 list of (3, H, W) float32 tensors in [0, 1] on the CPU, refl_ddpo.core.edit_data; the edit rewards read them);
 `rewards` is a float32 tensor [B] on the same device and `info` a dict of extra scalars/tensors for logging. A reward
@@ -64,6 +65,7 @@ REWARDS: dict[str, tuple[str, str, bool]] = {
     "toy_color_clean": ("refl_ddpo.rewards.toy", "toy_color_clean", False),
     "toy_palette_clean": ("refl_ddpo.rewards.toy", "toy_palette_clean", True),
     "toy_judge": ("refl_ddpo.rewards.toy", "toy_judge", False),
+    "temporal_consistency": ("refl_ddpo.rewards.video", "temporal_consistency", True),
     "unifiedreward": ("refl_ddpo.rewards.vlm_scores", "unifiedreward", False),
     "vlm_bertscore": ("refl_ddpo.rewards.vlm", "vlm_bertscore", False),
     "vlm_judge": ("refl_ddpo.rewards.vlm", "vlm_judge", False),
@@ -251,15 +253,22 @@ def _user_factory(ref: str) -> RewardFactory:
 
 
 def build_reward(
-    spec: str, device, dtype=None, model_dir: str = "checkpoint", options: dict[str, dict] | None = None
+    spec: str,
+    device,
+    dtype=None,
+    model_dir: str = "checkpoint",
+    options: dict[str, dict] | None = None,
+    video_reduction: str = "mean",
 ) -> Reward:
     """Build the reward named by `spec` (one name, or a weighted sum 'a:1.0,b:0.5').
 
     `options` maps a reward name to extra keyword arguments of its factory, e.g. {"imagereward": {"antialias":
-    False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`."""
+    False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`. Videos (B, T, 3, H, W): each image
+    reward scores frames, reduced by `video_reduction` (`refl_ddpo.rewards.video.frames_reward`)."""
     import torch
 
     from refl_ddpo.core.progress import quiet_library_bars
+    from refl_ddpo.rewards.video import frames_reward
 
     quiet_library_bars()
     parts = parse_reward_spec(spec)
@@ -269,7 +278,8 @@ def build_reward(
         kwargs = dict(options.get(base_name(name), {}))
         if reward_url(name):
             kwargs["url"] = reward_url(name)
-        built.append((name, w, factory(name)(device=device, dtype=dtype, model_dir=model_dir, **kwargs)))
+        fn = factory(name)(device=device, dtype=dtype, model_dir=model_dir, **kwargs)
+        built.append((name, w, fn if getattr(fn, "video", False) else frames_reward(fn, video_reduction)))
     differentiable = is_differentiable(spec)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]

@@ -143,9 +143,9 @@ def jsonable_info(info: dict, batch: int) -> dict:
 
 def wire_metadata(metadata: dict) -> dict:
     """A sample's metadata as the request carries it: its source images, if any, as IMAGES [n, 3, H, W]."""
-    from refl_ddpo.core.edit_data import SOURCE_IMAGES, source_tensors
-
     import torch
+
+    from refl_ddpo.core.edit_data import SOURCE_IMAGES, source_tensors
 
     if not metadata.get(SOURCE_IMAGES):
         return metadata

@@ -150,6 +150,15 @@ class CommonConfig(*SHARED_PARTS):
         check_shared(self)
 
 
+def check_video(cfg: CommonConfig) -> None:
+    """The video flags (--num_frames, --wan_expert, --video_reduction) fit the model, before it loads."""
+    from refl_ddpo.core.video import check_video_flags, parse_reduction
+
+    parse_reduction(cfg.video_reduction)
+    expert = None if cfg.wan_expert == "transformer" else cfg.wan_expert
+    check_video_flags(cfg.pretrained_model, cfg.num_frames, wan_expert=expert)
+
+
 def check_shared(cfg: CommonConfig) -> None:
     """The checks of the fields every trainer shares (SHARED_PARTS), after `ConfigBase.check`."""
     cfg.check_positive(
@@ -161,6 +170,7 @@ def check_shared(cfg: CommonConfig) -> None:
     )
     if cfg.resolution is not None:
         cfg.check_positive("resolution")
+    check_video(cfg)
     if cfg.checkpointing_steps < 0:
         raise UserError("--checkpointing_steps must be >= 0 (0 turns periodic checkpoints off).")
     if cfg.lora_target_modules is not None and not cfg.lora_target_modules:

@@ -124,6 +124,20 @@ class SamplerPart:
     guidance_scale: float | None = guidance_field(
         7.5, "Classifier-free guidance scale used when sampling (1 turns CFG off)."
     )
+    num_frames: int | None = field_(
+        None,
+        "Video models (Wan): frames per video, 1 + 4 k for Wan's VAE (e.g. 17, 33, 81); default: the pipeline's 81.",
+    )
+    wan_expert: Literal["transformer", "transformer_2"] = field_(
+        "transformer",
+        "Wan 2.2 (two experts): the expert that gets the LoRA, transformer (high noise, t >= boundary_ratio x 1000) "
+        "or transformer_2 (low noise); the other runs frozen.",
+    )
+    video_reduction: str = field_(
+        "mean",
+        "Video models: how an image reward scores a video from its frames: mean, min, or mean:K / min:K over K "
+        "frames evenly spaced (the first and the last among them).",
+    )
 
 
 @dataclass(frozen=True)

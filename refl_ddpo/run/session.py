@@ -161,6 +161,7 @@ def load_run(cfg: CommonConfig, info: RunInfo, accelerator, name: str, unit: str
         drop_t5=cfg.drop_t5,
         offload_text_encoders=cfg.offload_text_encoders,
         shard_text_encoders=cfg.fsdp_shard_text_encoders,
+        expert=cfg.wan_expert,
     )
     cfg = resolve_resolution(cfg, family, info)
     return Run(cfg, name, unit, accelerator, family, params, dtype, info, repo_id)

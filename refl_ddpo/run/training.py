@@ -228,6 +228,7 @@ def load_trainable_family(
     drop_t5: bool = False,
     offload_text_encoders: bool = False,
     shard_text_encoders: bool = False,
+    expert: str | None = None,
 ):
     """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
     accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
@@ -252,6 +253,7 @@ def load_trainable_family(
         network_on_host=is_sharded(accelerator),
         offload_text_encoders=offload_text_encoders,
         shard_text_encoders=shard_text_encoders,
+        expert=expert,
     )
     targets = list(trainable.target_modules or family.lora_target_modules)
     params = make_trainable(family.network, trainable, targets)
@@ -268,6 +270,9 @@ def resolve_resolution(cfg: CommonConfig, family, info=None) -> CommonConfig:
 
     if cfg.resolution is None:
         cfg = dataclasses.replace(cfg, resolution=family.native_resolution)
+    if hasattr(family, "num_frames"):  # a video model: its frame count, resolved alike
+        family.num_frames = cfg.num_frames or family.num_frames
+        cfg = dataclasses.replace(cfg, num_frames=family.num_frames)
     if cfg.resolution % family.vae_scale_factor:
         raise UserError(
             f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "
@@ -361,6 +366,7 @@ def log_image_grid(accelerator, tag: str, images: torch.Tensor, captions: list[s
     """A captioned grid of images (B, 3, H, W) in [0, 1] to every tracker (main process only)."""
     if not accelerator.is_main_process or accelerator.trackers == []:
         return
+    images = images[:, 0] if images.ndim == 5 else images  # videos (B, T, 3, H, W): their first frames
     log_grid(accelerator, tag, caption_grid(images, captions), step)
 
 

@@ -321,7 +321,7 @@ class Validator:
                 with torch.no_grad():
                     r, info = self.reward(pixels, prompts, [dict(s.metadata) for s in batch])
                     info = {**info, **self.score(pixels, prompts, [dict(s.metadata) for s in batch])}
-                images.append(pixels.float().cpu())
+                images.append((pixels[:, 0] if pixels.ndim == 5 else pixels).float().cpu())  # videos: frame 0
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
                     if isinstance(value, torch.Tensor) and value.shape == r.shape:

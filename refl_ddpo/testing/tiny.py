@@ -17,6 +17,8 @@ writes
                             offline, base-like and Turbo-like schedulers (refl_ddpo.testing.tiny_zimage)
     OUT/tiny-flux2/, OUT/tiny-flux2-klein/, OUT/tiny-flux2-klein-base/   FLUX.2 [dev] and [klein] (distilled, base)
                             layouts: Mistral3 / Qwen3 text encoders and tokenizers built offline (tiny_flux2)
+    OUT/tiny-wan21/, OUT/tiny-wan22/   Wan 2.1 / Wan 2.2 (two experts) text-to-video layouts: UMT5 and its T5
+                            tokenizer built offline, the 3-D VAE (refl_ddpo.testing.tiny_wan)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -299,7 +301,7 @@ def _save_sdxl(folder: Path, unet, vae, scheduler, seed: int) -> Path:
 
 def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -> Path:
     """Everything `checkpoint/` holds, tiny and random, under `out` (+ the trained tiny denoiser, see above)."""
-    from refl_ddpo.testing import tiny_flux, tiny_flux2, tiny_qwen, tiny_rewards, tiny_zimage
+    from refl_ddpo.testing import tiny_flux, tiny_flux2, tiny_qwen, tiny_rewards, tiny_wan, tiny_zimage
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -312,6 +314,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     tiny_qwen.write_tiny_qwen_image_edit_plus(out, seed)
     tiny_zimage.write_tiny_z_image(out, seed)
     tiny_flux2.write_tiny_flux2(out, seed)
+    tiny_wan.write_tiny_wan(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)
     tiny_rewards.write_aesthetic(out / "aesthetic", seed=seed)
     tiny_rewards.write_clip(out, seed=seed)

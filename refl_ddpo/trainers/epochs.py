@@ -119,7 +119,12 @@ def build_epoch_reward(run: Run) -> None:
     asks = ("vlm_judge", "vlm_bertscore", "unifiedreward", "vlm_yesno")
     options = {name: vlm for name in asks} | {"geneval2": model, "ocr": model}
     run.reward = build_reward(
-        cfg.reward, run.accelerator.device, run.dtype, cfg.reward_model_dir, options=options
+        cfg.reward,
+        run.accelerator.device,
+        run.dtype,
+        cfg.reward_model_dir,
+        options=options,
+        video_reduction=cfg.video_reduction,
     )
 
 

@@ -15,6 +15,7 @@ from refl_ddpo.trainers.ddpo_presets import TOY_VALIDATION, TOY_WORLD_DIR
 from refl_ddpo.trainers.edit_presets import EDIT_GRPO_PRESETS
 from refl_ddpo.trainers.flux2_presets import FLOW_FACTORY_GRPO, FLUX2_GRPO_PRESETS
 from refl_ddpo.trainers.groups import GroupConfig, check_group_arithmetic, check_pairwise_groups, group_sizes
+from refl_ddpo.trainers.wan_presets import WAN_GRPO_PRESETS
 
 __all__ = ["GRPO_PRESETS", "GRPOConfig", "check_group_arithmetic", "check_pairwise_groups", "group_sizes"]
 
@@ -244,6 +245,7 @@ GRPO_PRESETS["flow_grpo_qwen_image"] = {
 }
 GRPO_PRESETS.update(FLUX2_GRPO_PRESETS)  # Flow-Factory's FLUX.2 [dev] and [klein] recipes
 GRPO_PRESETS.update(EDIT_GRPO_PRESETS)  # Flow-Factory's FLUX.1 Kontext recipe (with --edit_data)
+GRPO_PRESETS.update(WAN_GRPO_PRESETS)  # Flow-Factory's Wan 2.1 / 2.2 text-to-video recipe
 
 
 # Flow-GRPO on Z-Image with PickScore (X-GenGroup/Flow-Factory examples/grpo/lora/z_image/default.yaml, per GPU): 10

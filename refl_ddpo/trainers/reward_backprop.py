@@ -190,7 +190,9 @@ def build_refl_reward(cfg: ReFLConfig, device: torch.device, dtype: torch.dtype)
         },
         "hpsv3": {"gradient_checkpointing": cfg.reward_gradient_checkpointing},
     }
-    return build_reward(cfg.reward, device, dtype, cfg.reward_model_dir, options=options)
+    return build_reward(
+        cfg.reward, device, dtype, cfg.reward_model_dir, options=options, video_reduction=cfg.video_reduction
+    )
 
 
 def set_up(run: Run, data: TrainingData) -> Parts:

@@ -28,6 +28,7 @@ FAMILIES = {
     "ZImagePipeline": ("refl_ddpo.core.families.z_image", "ZImage"),
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
     "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
+    "WanPipeline": ("refl_ddpo.core.families.wan", "Wan"),
 }
 
 
@@ -62,6 +63,7 @@ def load_family(
     network_on_host: bool = False,
     offload_text_encoders: bool = False,
     shard_text_encoders: bool = False,
+    expert: str | None = None,
 ) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
     its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
@@ -69,7 +71,7 @@ def load_family(
     `offload_text_encoders`: the text encoders stay on the CPU and visit `device` only while they encode
     (`ModelFamily.text_encoders_on_device`); composes with `network_on_host`. `shard_text_encoders`
     (--fsdp_shard_text_encoders; torch.distributed must run): they are loaded on the host, then sharded per block over
-    the processes (`refl_ddpo.core.sharding.shard_frozen`), each process' shard on `device`."""
+    the processes (`refl_ddpo.core.sharding.shard_frozen`), each process' shard on `device`. `expert`: the network a Wan model trains (`Wan.train_expert`)."""
     from refl_ddpo.core.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
@@ -93,6 +95,8 @@ def load_family(
             shard_frozen(module)
     if offload_text_encoders:
         family.text_encoder_device = device
+    if expert is not None and hasattr(family, "train_expert"):  # Wan: the expert the trainers adapt
+        family.train_expert(expert)
     return family
 
 

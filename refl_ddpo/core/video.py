@@ -1,0 +1,70 @@
+"""The video flags, checked before any model loads and without importing torch, a family or a reward: --num_frames
+against the VAE's temporal stride, the video-only flags refused for image models, and --video_reduction (how an image
+reward scores a video from its frames; `refl_ddpo.rewards.video.frames_reward` applies it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from refl_ddpo.core.errors import UserError
+
+REDUCTIONS = ("mean", "min")
+
+
+def parse_reduction(spec: str) -> tuple[str, int | None]:
+    """'mean' -> ('mean', None); 'min:4' -> ('min', 4): the reduction and how many frames (None: all)."""
+    how, _, k = spec.partition(":")
+    if how not in REDUCTIONS or (k and not (k.isdigit() and int(k) >= 1)):
+        raise UserError(
+            f"--video_reduction {spec}: write mean, min, or mean:K / min:K with K >= 1 frames evenly spaced."
+        )
+    return how, int(k) if k else None
+
+
+def frame_indices(num_frames: int, k: int | None) -> list[int]:
+    """The frames scored: all, or K evenly spaced from the first to the last (the first alone for K = 1)."""
+    if k is None or k >= num_frames:
+        return list(range(num_frames))
+    if k == 1:
+        return [0]
+    return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)]
+
+
+def vae_config(name: str) -> dict:
+    """The VAE config (vae/config.json) of a local folder or hub id, read without loading weights."""
+    from refl_ddpo.core.models import looks_local
+
+    if looks_local(name):
+        return json.loads((Path(name).expanduser() / "vae" / "config.json").read_text())
+    from diffusers import AutoencoderKLWan
+
+    return dict(AutoencoderKLWan.load_config(name, subfolder="vae"))
+
+
+def check_num_frames(name: str, num_frames: int) -> None:
+    """A one-line UserError unless the VAE's temporal stride s takes `num_frames` (num_frames = 1 + s k)."""
+    stride = int(vae_config(name).get("scale_factor_temporal") or 4)
+    if num_frames < 1 or (num_frames - 1) % stride:
+        near = max(1, (num_frames - 1) // stride * stride + 1)
+        raise UserError(
+            f"--num_frames {num_frames}: this VAE packs {stride} frames into one latent frame after the first, so "
+            f"num_frames must be 1 + {stride} k (e.g. {near} or {near + stride})."
+        )
+
+
+def check_video_flags(model: str, num_frames: int | None, **image_flags) -> None:
+    """--num_frames fits the model (a frame count its VAE takes), and it and the other video-only flags
+    `image_flags` (name -> value, None or the default when unset) are unset for an image model; one-line
+    UserErrors, before any model loads."""
+    from refl_ddpo.core.models import pipeline_class_name
+
+    if num_frames is None and all(v is None for v in image_flags.values()):
+        return  # nothing set: nothing to check (and no config read)
+    if pipeline_class_name(model) == "WanPipeline":
+        if num_frames is not None:
+            check_num_frames(model, num_frames)
+        return
+    for flag, value in {"num_frames": num_frames, **image_flags}.items():
+        if value is not None:
+            raise UserError(f"--{flag} is for video models (Wan); {model} makes images.")

@@ -1,0 +1,46 @@
+"""Wan's GRPO presets (--preset NAME), as plain data: X-GenGroup/Flow-Factory's LoRA example for Wan 2.1 / 2.2
+text-to-video (examples/grpo/lora/wan21/t2v.yaml), scaled to one GPU as its FLUX.2 presets are
+(`flux2_presets.FLOW_FACTORY_GRPO`: one group of 16 per epoch in 4 batches of 4, LoRA r 64 / alpha 128, bf16).
+
+Their example trains Wan2.1-T2V-14B (or Wan2.2-T2V-A14B's high-noise `transformer`, their `target_components`) at
+256 px and 5 frames, 10 steps with CFG 5, noise level 0.9 in one SDE step drawn from steps 1-3 (the kit's window
+start from 0-3), CLIP score and PickScore weighted 1 : 0.5 with GDPO's per-reward advantages, lr 1e-4, no KL; they
+evaluate at 480 px and 13 frames with 28 steps, the kit at the training size. Their weight EMA (decay 0.9 every 4
+epochs) has no counterpart in the kit's GRPO; their flow_shift 3.0 is the sampler's shift (the kit's Euler sampler
+takes the folder's flow_shift, 3.0 in Wan-AI's 480p folders as well as their example).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from refl_ddpo.trainers.flux2_presets import FLOW_FACTORY_GRPO
+
+_WAN_T2V = {
+    **FLOW_FACTORY_GRPO,
+    "save_freq": 20,
+    "reward": "clip_score:1,pickscore:0.5",
+    "reward_aggregation": "gdpo",
+    "learning_rate": 1e-4,
+    "resolution": 256,
+    "num_frames": 5,
+    "sample_num_steps": 10,
+    "sample_eta": 0.9,
+    "sample_guidance_scale": 5.0,
+    "train_skip_last_steps": 6,
+    "validation_num_steps": 28,
+    "validation_guidance_scale": 5.0,
+}
+
+WAN_GRPO_PRESETS: dict[str, dict[str, Any]] = {
+    "flow_factory_wan21": {**_WAN_T2V, "pretrained_model": "Wan-AI/Wan2.1-T2V-14B-Diffusers"},
+    # Wan 2.2 A14B: the LoRA on its high-noise expert (their target_components 'transformer'), the SDE step kept
+    # among that expert's steps: at shift 3, t >= 875 holds for steps 0-2 of 10 (t 1000, 960, 913; step 3 is 858),
+    # so the window starts at 0-2 (a step of the frozen expert would train nothing)
+    "flow_factory_wan22": {
+        **_WAN_T2V,
+        "pretrained_model": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "wan_expert": "transformer",
+        "train_skip_last_steps": 7,
+    },
+}

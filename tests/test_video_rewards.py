@@ -1,0 +1,80 @@
+"""Rewards of videos (B, T, 3, H, W): an image reward per frame reduced by mean, min or over K evenly spaced frames,
+checked against the closed form on a reward of known value (each frame's brightness); the temporal-consistency term
+against its formula; a weighted sum through `build_reward` on videos; images pass through unchanged."""
+
+import pytest
+import torch
+
+from refl_ddpo.core.errors import UserError
+from refl_ddpo.core.video import frame_indices, parse_reduction
+from refl_ddpo.rewards import build_reward
+from refl_ddpo.rewards.video import frames_reward, temporal_consistency
+
+
+def brightness(images, prompts, metadata):
+    """Each image's mean pixel, and the prompts' lengths as a per-image info tensor."""
+    assert len(prompts) == len(metadata) == images.shape[0]
+    return images.mean(dim=(1, 2, 3)), {"length": torch.tensor([float(len(p)) for p in prompts])}
+
+
+def _videos() -> torch.Tensor:
+    """Two videos of 5 frames, frame t of video b uniformly (b + 1) (t + 1) / 10 (frame 0 of video 0 the darkest)."""
+    level = torch.tensor([[(b + 1) * (t + 1) / 10 for t in range(5)] for b in range(2)])
+    return level[:, :, None, None, None].expand(2, 5, 3, 4, 4).clone()
+
+
+@pytest.mark.parametrize(
+    ("reduction", "expected"),
+    [
+        ("mean", [0.3, 0.6]),  # mean over t of (b + 1)(t + 1) / 10: (b + 1) * 0.3
+        ("min", [0.1, 0.2]),  # frame 0
+        ("mean:3", [0.3, 0.6]),  # frames 0, 2, 4: (1 + 3 + 5) / 3 / 10 (b + 1)
+        ("min:2", [0.1, 0.2]),  # frames 0 and 4
+        ("mean:1", [0.1, 0.2]),  # frame 0 alone
+    ],
+)
+def test_per_frame_reductions_match_the_closed_form(reduction, expected):
+    rewards, info = frames_reward(brightness, reduction)(_videos(), ["ab", "abcd"], [{}, {"k": 1}])
+    torch.testing.assert_close(rewards, torch.tensor(expected))
+    torch.testing.assert_close(info["length"], torch.tensor([2.0, 4.0]))  # per-frame info reduced alike
+
+
+def test_frame_indices_and_bad_reductions():
+    assert frame_indices(81, 4) == [0, 27, 53, 80] and frame_indices(5, None) == [0, 1, 2, 3, 4]
+    assert frame_indices(3, 8) == [0, 1, 2]
+    assert parse_reduction("min:4") == ("min", 4)
+    for bad in ("median", "mean:0", "mean:x"):
+        with pytest.raises(UserError, match="--video_reduction"):
+            parse_reduction(bad)
+
+
+def test_images_pass_through_unchanged():
+    images = torch.rand(3, 3, 4, 4)
+    torch.testing.assert_close(
+        frames_reward(brightness, "min")(images, ["a"] * 3, [{}] * 3)[0], images.mean((1, 2, 3))
+    )
+
+
+def test_temporal_consistency_is_minus_the_mean_frame_to_frame_distance():
+    videos = _videos().requires_grad_(True)
+    fn = temporal_consistency(torch.device("cpu"), torch.float32, "")
+    rewards, _ = fn(videos, ["a", "b"], [{}, {}])
+    # consecutive frames of video b differ by (b + 1) / 10 at every pixel
+    torch.testing.assert_close(rewards, torch.tensor([-(0.1**2), -(0.2**2)]))
+    rewards.sum().backward()
+    assert videos.grad is not None and videos.grad.abs().sum() > 0
+    with pytest.raises(UserError, match="scores videos"):
+        fn(torch.rand(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_a_weighted_sum_on_videos_through_build_reward():
+    """jpeg per frame (min over frames) plus the temporal term, each weighted: the sum of the parts' closed forms."""
+    from refl_ddpo.rewards.jpeg import jpeg_size_kb
+
+    videos = _videos()
+    reward = build_reward("jpeg_compressibility:1.0,temporal_consistency:2.0", "cpu", video_reduction="min")
+    assert not reward.differentiable
+    total, info = reward(videos, ["a", "b"], [{}, {}])
+    jpeg = (-jpeg_size_kb(videos.flatten(0, 1))).reshape(2, 5).min(1).values
+    torch.testing.assert_close(total, jpeg + 2 * torch.tensor([-(0.1**2), -(0.2**2)]))
+    torch.testing.assert_close(info["jpeg_compressibility"], jpeg)
