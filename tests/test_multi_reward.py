@@ -233,3 +233,27 @@ def test_grpo_on_the_toy_world_with_gdpo_or_the_toy_judge_logs_each_curve(
     for line in lines:
         assert all(c in line for c in curves), line
     watch.assert_lora_moved_and_base_not(out)
+
+
+def test_a_rewards_per_sample_info_is_logged_beside_it():
+    """info_stats: a single reward's per-sample info (HPSv3's sigma) as reward/<name>/<key>/mean, a weighted reward's
+    parts' info under their own names, the parts themselves and non-per-sample entries left out, dropped samples too."""
+    from types import SimpleNamespace
+
+    from refl_ddpo.trainers.epochs import info_stats
+
+    run = SimpleNamespace(accelerator=SimpleNamespace(gather=lambda x: x, device=torch.device("cpu")))
+    batches = [
+        SimpleNamespace(rewards=(torch.zeros(2), {"sigma": torch.tensor([1.0, 2.0]), "n": 3.0})),
+        SimpleNamespace(rewards=(torch.zeros(2), {"sigma": torch.tensor([4.0, 100.0]), "n": 3.0})),
+    ]
+    finite = torch.tensor([True, True, True, False])
+    assert info_stats("hpsv3", run, batches, finite) == {"reward/hpsv3/sigma/mean": 7 / 3}
+    weighted = [
+        SimpleNamespace(
+            rewards=(torch.zeros(2), {"hpsv3": torch.ones(2), "hpsv3/sigma": torch.tensor([1.0, 3.0])})
+        )
+    ]
+    assert info_stats("hpsv3:1,jpeg_compressibility:0.5", run, weighted, torch.tensor([True, True])) == {
+        "reward/hpsv3/sigma/mean": 2.0
+    }

@@ -162,6 +162,7 @@ def score_epoch(
     all_groups = None if groups is None else accelerator.gather(groups.to(accelerator.device)).cpu()[finite]
     parts = reward_parts(cfg.reward, accelerator, batches, finite)
     stats = reward_stats(cfg.reward, all_rewards[finite], parts)
+    stats |= info_stats(cfg.reward, run, batches, finite)
     trained = all_rewards
     if win_rates is not None:
         trained = gather_rewards(accelerator, [win_rates])
@@ -183,6 +184,27 @@ def score_epoch(
 def gather_rewards(accelerator, rewards: list[torch.Tensor]) -> torch.Tensor:
     """This process' rewards (a list of (B,)) concatenated and gathered over all processes, on the CPU."""
     return accelerator.gather(torch.cat(rewards).float().to(accelerator.device)).cpu()
+
+
+def info_stats(spec: str, run: Run, batches: list, finite: torch.Tensor) -> dict[str, float]:
+    """`reward/<key>/mean` of each per-sample entry of the rewards' info that is not a part of the --reward (e.g.
+    HPSv3's `sigma`; a part's own as `reward/<part>/<key>/mean`), gathered over all processes, the `finite` ones."""
+    from refl_ddpo.rewards import parse_reward_spec
+
+    first = batches[0].rewards[1]
+    named = parse_reward_spec(spec)
+    prefix = f"{named[0][0]}/" if len(named) == 1 else ""  # a weighted reward's info keys are `<part>/<key>`
+    parts = {name for name, _ in named}
+    keys = [
+        k
+        for k, v in first.items()
+        if k not in parts and torch.is_tensor(v) and v.ndim == 1 and len(v) == len(batches[0].rewards[0])
+    ]
+    out = {}
+    for key in keys:
+        values = gather_rewards(run.accelerator, [b.rewards[1][key].detach() for b in batches])[finite]
+        out[f"reward/{prefix}{key}/mean"] = float(values.double().mean())
+    return out
 
 
 def reward_parts(spec: str, accelerator, batches: list, finite: torch.Tensor) -> dict[str, torch.Tensor]:
