@@ -100,21 +100,22 @@ class OpCount(PeakMemory):
         self.calls: list[CallRecord] = []
         self.current: CallRecord | None = None
         self._handles = []
+        self._depth = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with (
+                self
+            ):  # inference mode dispatches composite ops (`to`, `linear` ...) whole: their parts count
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = super().__torch_dispatch__(func, types, args, kwargs)
         record = self.current
-        if record is None or func in NO_KERNEL:
+        if record is None or func in NO_KERNEL or func.is_view:
             return out
-        if func.overloadpacket is aten.to:  # inference mode dispatches `to` itself: a copy unless it aliases
-            if out is args[0]:
-                return out
-            cast = out.dtype != args[0].dtype and out.is_floating_point() and args[0].is_floating_point()
-        elif func.is_view:
-            return out
-        else:
-            cast = func in CAST_OPS and _is_cast(func, args, kwargs)
+        cast = func in CAST_OPS and _is_cast(func, args, kwargs)
         record.ops[(str(func.overloadpacket.__name__), _site())] += 1
         record.casts += cast
         return out
@@ -147,22 +148,24 @@ class OpCount(PeakMemory):
             h.remove()
         self._handles = []
 
-    def __enter__(self):
-        backward = torch.autograd.backward
+    def __enter__(self):  # entered again (nested) to decompose an op: the outermost entry patches backward
+        self._depth += 1
+        if self._depth == 1:
+            backward = self._backward = torch.autograd.backward
 
-        def counted_backward(*args, **kwargs):
-            try:
-                return backward(*args, **kwargs)
-            finally:
-                self.current = None
+            def counted_backward(*args, **kwargs):
+                try:
+                    return backward(*args, **kwargs)
+                finally:
+                    self.current = None
 
-        self._backward = backward
-        torch.autograd.backward = counted_backward
+            torch.autograd.backward = counted_backward
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.autograd.backward = self._backward
-        self.unwatch()
+        self._depth -= 1
+        if self._depth == 0:
+            torch.autograd.backward = self._backward
         return super().__exit__(*exc)
 
 
