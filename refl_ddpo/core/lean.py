@@ -31,9 +31,14 @@ def _lora_layers(module: torch.nn.Module) -> list:
 
 def foldable(family, network) -> torch.nn.Module | None:
     """The module whose no-grad calls `Folded` makes lean: the family's network when `network` (the one the loop
-    calls) is it or its DDP wrapper, its base weights are 16-bit and it carries an active LoRA; else None."""
+    calls) is it or its DDP wrapper, it is not sharded (FSDP2), its base weights are 16-bit and it carries an active
+    LoRA; else None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
     module = family.network
-    if network is not None and network is not module and getattr(network, "module", None) is not module:
+    wrapped = isinstance(network, DistributedDataParallel) and network.module is module
+    if (network is not None and network is not module and not wrapped) or isinstance(module, FSDPModule):
         return None
     layers = _lora_layers(module)
     if not layers or layers[0].base_layer.weight.dtype not in HALF:
