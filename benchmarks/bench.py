@@ -6,6 +6,7 @@
     python benchmarks/bench.py --sweep --device cuda --out benchmarks/results/h200_sweep   # before/after table
     python benchmarks/bench.py --flops_only     # FLOPs of every case, counted on the meta device (no GPU)
     python benchmarks/bench.py --memory_only    # peak device memory of every case, counted on meta (no GPU)
+    python benchmarks/bench.py --ops_only       # ops and casts per network call, counted on meta (no GPU)
 
 The models are built from config files with random weights (speed and memory do not depend on the values):
 benchmarks/configs/ holds SD v1.5's unet/vae/text_encoder configs and BLIP's med_config.json of ImageReward (its
@@ -62,6 +63,7 @@ from benchmarks.harness import Bench
 from benchmarks.measure import machine_info, measure
 from benchmarks.memory import run_memory_only
 from benchmarks.models import architectures, model_configs, parameter_counts, run_configs
+from benchmarks.ops import run_ops_only
 from benchmarks.report import fmt_s, markdown_table, write_files
 from benchmarks.sweep import run_sweep
 from refl_ddpo.core.errors import cli_main
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         run_flops_only(cfg, argv)
     elif cfg.memory_only:
         run_memory_only(cfg, argv)
+    elif cfg.ops_only:
+        run_ops_only(cfg, argv)
     elif cfg.sweep:
         run_sweep(cfg)
     else:

@@ -136,6 +136,20 @@ class BenchConfig(ConfigBase):
         "runs on shapes only, as an H100 would allocate; see benchmarks/memory.py) and write memory.md. Needs "
         "no GPU; dtype default bf16.",
     )
+    ops_only: bool = field_(
+        False,
+        "Run nothing on a device: count the ops and casts per network call of each family's contexts on the meta "
+        "device with CUDA's autocast emulated, against the stock network's floor (see benchmarks/ops.py); writes "
+        "results.json and results.md. Needs no GPU; dtype default bf16.",
+    )
+    ops_families: list[str] = field_(
+        ["sd15", "sd35m", "sdxl", "flux1"],
+        "With --ops_only: the families counted (sd15, sd35m, sdxl, flux1).",
+    )
+    ops_contexts: list[str] = field_(
+        ["ddpo_rollout", "refl_nograd", "refl_grad", "nft_rollout", "inference"],
+        "With --ops_only: the contexts counted (ddpo_rollout, refl_nograd, refl_grad, nft_rollout, inference).",
+    )
     fsdp_world_size: int = field_(
         0,
         "With --memory_only: count the trained network sharded with the kit's FSDP2 (--fsdp: accelerate's "
@@ -192,6 +206,7 @@ class BenchConfig(ConfigBase):
         if self.resolution is not None and self.resolution <= 0:
             raise UserError(f"--resolution must be > 0 (got {self.resolution}).")
         self._check_fsdp()
+        self._check_ops()
         if self.cpu_threads < 0:
             raise UserError(f"--cpu_threads must be >= 0 (got {self.cpu_threads}; 0 keeps torch's default).")
         if self.peak_tflops <= 0:
@@ -221,6 +236,14 @@ class BenchConfig(ConfigBase):
             raise UserError("--fsdp_shard_text_encoders counts them sharded: add --fsdp_world_size N.")
         if self.fsdp_shard_text_encoders and self.offload_text_encoders:
             raise UserError("--fsdp_shard_text_encoders and --offload_text_encoders: pick one.")
+
+    def _check_ops(self) -> None:
+        from benchmarks.ops import CONTEXTS, FAMILIES
+
+        for name, known in (("ops_families", FAMILIES), ("ops_contexts", CONTEXTS)):
+            bad = [v for v in getattr(self, name) if v not in known]
+            if bad:
+                raise UserError(f"--{name} {' '.join(bad)}: choose from {', '.join(known)}.")
 
     @property
     def cases(self) -> list[str]:

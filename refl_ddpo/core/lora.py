@@ -76,7 +76,22 @@ def add_lora(
     for p in params:  # trainable params in fp32 even when the frozen base is fp16/bf16
         p.data = p.data.float()
         p.requires_grad_(True)
+    _no_input_casts(unet)
     return params
+
+
+def _no_input_casts(network) -> None:
+    """A 16-bit base: peft's cast of each LoRA layer's input to the adapter's float32 off (a cast and its
+    backward per layer and call); the trainers call the network under autocast, whose matmuls take the 16-bit
+    input as it is. A float32 base is left as it is (peft's cast is then none)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in network.modules():
+        if isinstance(module, LoraLayer) and module.get_base_layer().weight.dtype in (
+            torch.float16,
+            torch.bfloat16,
+        ):
+            module.cast_input_dtype_enabled = False
 
 
 def trainable_full_unet(unet) -> list[torch.nn.Parameter]:

@@ -9,12 +9,14 @@ plus what training needs: gradient on chosen steps only, stopping early, the tra
 from __future__ import annotations
 
 from collections.abc import Collection
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from refl_ddpo.core.families import Cond, ModelFamily
+from refl_ddpo.core.lean import Folded, foldable
 
 
 @dataclass
@@ -73,40 +75,77 @@ def denoise(
     out = DenoiseOutput(latents=latents, pred_original_sample=latents, timesteps=timesteps[: last + 1])
     if keep_trajectory:
         out.all_latents.append(latents)
-    x0 = latents
-    for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps, strict=False)):
-        with_grad = grad_enabled and i in grad_steps
-        with torch.set_grad_enabled(with_grad):
-            if with_grad and checkpoint_grad_steps:
-                model_output = checkpoint(
-                    family.predict,
-                    latents,
-                    t,
-                    scheduler,
-                    cond,
-                    uncond,
-                    guidance_scale,
-                    network,
-                    use_reentrant=False,
-                )
-            else:
-                model_output = family.predict(latents, t, scheduler, cond, uncond, guidance_scale, network)
-            if with_logprob and sde_steps is not None and i not in sde_steps:
-                latents, x0 = family.step(scheduler, model_output, t_host, latents, 0.0, None)
-                out.log_probs.append(torch.zeros(latents.shape[0], device=latents.device))
-                if keep_step_means:
-                    out.step_means.append(latents.float())
-            elif with_logprob:
-                if keep_step_means:
-                    out.step_means.append(family.step_mean(scheduler, model_output, t_host, latents, eta)[0])
-                latents, log_prob, x0 = family.step_with_logprob(
-                    scheduler, model_output, t_host, latents, eta, generator
-                )
-                out.log_probs.append(log_prob)
-            else:
-                latents, x0 = family.step(scheduler, model_output, t_host, latents, eta, generator)
-        if keep_trajectory:
-            out.all_latents.append(latents)
-            out.all_pred_x0.append(x0)
+    fold = _fold(family, network, grad_enabled, grad_steps, last)
+    step = _StepKind(with_logprob, sde_steps, keep_step_means, eta, generator)
+    try:
+        x0 = latents
+        for i, (t, t_host) in enumerate(zip(timesteps[: last + 1], host_timesteps, strict=False)):
+            with_grad = grad_enabled and i in grad_steps
+            net, calls = (network, nullcontext()) if fold is None else fold.step(with_grad, network)
+            with torch.set_grad_enabled(with_grad):
+                if with_grad and checkpoint_grad_steps:
+                    model_output = checkpoint(
+                        family.predict,
+                        latents,
+                        t,
+                        scheduler,
+                        cond,
+                        uncond,
+                        guidance_scale,
+                        network,
+                        use_reentrant=False,
+                    )
+                else:
+                    with calls:
+                        model_output = family.predict(
+                            latents, t, scheduler, cond, uncond, guidance_scale, net
+                        )
+                latents, x0 = _step(family, scheduler, out, model_output, t_host, latents, i, step)
+            if keep_trajectory:
+                out.all_latents.append(latents)
+                out.all_pred_x0.append(x0)
+    finally:
+        if fold is not None:
+            fold.off()
     out.latents, out.pred_original_sample = latents, x0
     return out
+
+
+def _fold(family, network, grad_enabled: bool, grad_steps: Collection[int], last: int) -> Folded | None:
+    """The LoRA folded for the steps without grad (refl_ddpo.core.lean), where there are any and it applies."""
+    if grad_enabled and all(i in grad_steps for i in range(last + 1)):
+        return None
+    module = foldable(family, network)
+    return None if module is None else Folded(module)
+
+
+@dataclass(frozen=True)
+class _StepKind:
+    """How `denoise` steps: with log-probabilities (on `sde_steps` only, if given), keeping the step means."""
+
+    with_logprob: bool
+    sde_steps: Collection[int] | None
+    keep_step_means: bool
+    eta: float
+    generator: torch.Generator | list[torch.Generator] | None
+
+
+def _step(family, scheduler, out: DenoiseOutput, model_output, t_host, latents, i: int, k: _StepKind):
+    """One sampler step from `latents` at step i: (next latents, predicted x0); log-probs and step means into
+    `out` where asked."""
+    eta, generator = k.eta, k.generator
+    if k.with_logprob and k.sde_steps is not None and i not in k.sde_steps:
+        latents, x0 = family.step(scheduler, model_output, t_host, latents, 0.0, None)
+        out.log_probs.append(torch.zeros(latents.shape[0], device=latents.device))
+        if k.keep_step_means:
+            out.step_means.append(latents.float())
+    elif k.with_logprob:
+        if k.keep_step_means:
+            out.step_means.append(family.step_mean(scheduler, model_output, t_host, latents, eta)[0])
+        latents, log_prob, x0 = family.step_with_logprob(
+            scheduler, model_output, t_host, latents, eta, generator
+        )
+        out.log_probs.append(log_prob)
+    else:
+        latents, x0 = family.step(scheduler, model_output, t_host, latents, eta, generator)
+    return latents, x0

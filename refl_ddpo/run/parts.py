@@ -162,6 +162,16 @@ class OptimizerPart:
         fill=lambda cfg: accelerate_mixed_precision(),
     )
     allow_tf32: bool = field_(True, "Allow TF32 matmuls on Ampere+ GPUs (faster, ~1e-3 relative error).")
+    channels_last: bool = field_(
+        False,
+        "The network's weights (so its activations) in channels_last memory format: faster convolutions on GPUs "
+        "(the UNets'; a transformer has none to change).",
+    )
+    compile: bool = field_(
+        False,
+        "torch.compile the network (it compiles in the first steps, once more for each new shape and for the "
+        "no-grad calls' folded form).",
+    )
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,11 @@ def prepare(run: Run) -> None:
     sharded = is_sharded(run.accelerator)
     if sharded:
         run.params = []
+    if run.cfg.channels_last:  # --channels_last; in place: the optimizer keeps the same parameters
+        run.family.network.to(memory_format=torch.channels_last)
     run.network, run.optimizer = run.accelerator.prepare(run.family.network, run.optimizer)
+    if run.cfg.compile:  # --compile: the module itself, under any wrapper accelerate put around it
+        run.family.network.compile()
     if sharded:  # fully_shard replaced the parameters by sharded ones (the optimizer holds those)
         run.params = trainable_params(run.network)
 
