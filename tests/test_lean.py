@@ -108,3 +108,13 @@ def test_ppo_first_update_stays_on_policy_with_the_rollout_folded(
     plain = _first_update(family, params, eta)
     for stats in (folded, plain):
         assert abs(stats["ratio"] - 1) <= ratio_tol and stats["approx_kl"] <= kl_tol, (folded, plain)
+
+
+def test_no_fold_lora_leaves_the_no_grad_calls_as_trained(tiny_models):
+    """--no-fold_lora (the family's `fold_lora`, set by the run from the flag): nothing folded."""
+    from refl_ddpo.core.sampling import _fold
+
+    family, _ = _family(tiny_models, "stable-diffusion", torch.bfloat16)
+    assert _fold(family, None, False, (), 3) is not None
+    family.fold_lora = False
+    assert _fold(family, None, False, (), 3) is None

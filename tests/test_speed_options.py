@@ -24,7 +24,7 @@ def _prepared(tiny_models, **flags):
     family = load_family(str(tiny_models / "stable-diffusion"))
     params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
     AcceleratorState._reset_state()
-    cfg = SimpleNamespace(**{"channels_last": False, "compile": False, **flags})
+    cfg = SimpleNamespace(**{"channels_last": False, "compile": False, "fold_lora": True, **flags})
     run = SimpleNamespace(cfg=cfg, accelerator=Accelerator(cpu=True), family=family, params=params)
     run.optimizer = torch.optim.AdamW(params, lr=1e-3)
     prepare(run)

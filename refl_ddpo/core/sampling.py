@@ -113,7 +113,9 @@ def denoise(
 
 def _fold(family, network, grad_enabled: bool, grad_steps: Collection[int], last: int) -> Folded | None:
     """The LoRA folded for the steps without grad (refl_ddpo.core.lean), where there are any and it applies."""
-    if grad_enabled and all(i in grad_steps for i in range(last + 1)):
+    if not getattr(family, "fold_lora", True) or (
+        grad_enabled and all(i in grad_steps for i in range(last + 1))
+    ):
         return None
     module = foldable(family, network)
     return None if module is None else Folded(module)

@@ -162,6 +162,14 @@ class OptimizerPart:
         fill=lambda cfg: accelerate_mixed_precision(),
     )
     allow_tf32: bool = field_(True, "Allow TF32 matmuls on Ampere+ GPUs (faster, ~1e-3 relative error).")
+    fold_lora: bool = field_(
+        True,
+        "With a 16-bit base, run the no-grad network calls (sampling, ReFL's steps before k, validation) with the "
+        "LoRA folded into 16-bit copies of its target weights, as the stock pipeline runs a fused LoRA: the stock "
+        "network's kernels and no more, at the memory of those copies while sampling (about 0.2 GiB for SD v1.5, "
+        "1.1 GiB for SD3.5-M, 11 GiB for FLUX.1-dev with every linear layer targeted). --no-fold_lora: the "
+        "LoRA layers as trained, under autocast.",
+    )
     channels_last: bool = field_(
         False,
         "The network's weights (so its activations) in channels_last memory format: faster convolutions on GPUs "

@@ -185,17 +185,17 @@ def add_optimizer(run: Run) -> None:
 def prepare(run: Run) -> None:
     """accelerate's `prepare` of the family's network and run.optimizer into run.network and run.optimizer.
 
-    Sharded (--fsdp), the network comes from the host (training.load_trainable_family): fully_shard moves each
-    parameter whole to the device, copies this process' shard out of it and puts the sharded parameter in its place.
-    A reference to the unsharded parameters kept through `prepare` would keep each one whole on the device (a full
-    fine-tune: the whole fp32 network), so run.params lets go of them first (accelerate swaps the optimizer's for
-    placeholders; EMA and the old-policy copy are refused with --fsdp) and holds the sharded ones after."""
+    Sharded (--fsdp), the network comes from the host (training.load_trainable_family) and fully_shard puts each
+    parameter's shard in its place; a reference to the unsharded parameters kept through `prepare` would keep each
+    whole on the device, so run.params lets go of them first (accelerate swaps the optimizer's for placeholders;
+    EMA and the old-policy copy are refused with --fsdp) and holds the sharded ones after."""
     from refl_ddpo.core.sharding import is_sharded, trainable_params
 
     sharded = is_sharded(run.accelerator)
     if sharded:
         run.params = []
-    if run.cfg.channels_last:  # --channels_last; in place: the optimizer keeps the same parameters
+    run.family.fold_lora = run.cfg.fold_lora  # refl_ddpo.core.lean: the no-grad calls with the LoRA folded
+    if run.cfg.channels_last:  # in place: the optimizer keeps the same parameters
         run.family.network.to(memory_format=torch.channels_last)
     run.network, run.optimizer = run.accelerator.prepare(run.family.network, run.optimizer)
     if run.cfg.compile:  # --compile: the module itself, under any wrapper accelerate put around it
@@ -273,8 +273,7 @@ def validation(
 
 
 def save_run_checkpoint(run: Run, done: int, counters: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """output_dir/checkpoint-N after `done` iterations: accelerate's state, the trainer's (`counters` as JSON,
-    `tensors`), the run's record."""
+    """output_dir/checkpoint-N after `done` iterations: accelerate's, the trainer's (`counters`, `tensors`) state."""
     from refl_ddpo.run.checkpoints import save_checkpoint
     from refl_ddpo.run.resume_fit import settings
 
