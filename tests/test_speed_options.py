@@ -77,3 +77,15 @@ def test_peft_input_cast_off_on_a_16_bit_base(tiny_models, dtype, casts):
     add_lora(family.network, 4, 4, family.lora_target_modules)
     layers = [m for m in family.network.modules() if isinstance(m, LoraLayer)]
     assert layers and all(m.cast_input_dtype_enabled == casts for m in layers)
+
+
+def test_compile_wiring_gives_the_same_output_through_dynamo(tiny_models, monkeypatch):
+    """--compile's graph capture (dynamo, with AOTAutograd's eager backend in place of inductor's code generation):
+    the same output as without it; the suite's fast stand-in for the `slow` test above."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    _, want = _prepared(tiny_models)
+    run, got = _prepared(tiny_models, compile=True)
+    assert run.family.network._compiled_call_impl is not None
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
