@@ -13,8 +13,8 @@ Wan 2.2 (A14B) has two experts: `transformer` denoises the steps with timestep >
 `transformer_2` the others, each with its guidance scale (`guidance_scale_2`, default the first's). The trainers
 train one network: `train_expert` chooses which expert holds the LoRA ("transformer", default, or
 "transformer_2"); the other runs frozen at its steps, whose loss terms then have a zero gradient (linked to the
-trained network by 0 x one of its weights, so that every training step has a graph). A LoRA of `transformer_2` loads into the stock pipeline with
-`load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one timestep per
+trained network by 0 x one of its weights, so that every training step has a graph). A LoRA of `transformer_2`
+loads into the stock pipeline with `load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one timestep per
 video token, as its pipeline builds them.
 
 Sampler. The real folders carry a `UniPCMultistepScheduler` with `flow_shift`; the kit samples with the
@@ -180,9 +180,8 @@ class Wan(StableDiffusion3):
             v_uncond = net(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
         if network is not None and net is not network and torch.is_grad_enabled():
-            v = v + _zero_from(
-                network
-            )  # the frozen expert's steps: a loss with a (zero) gradient, as the others
+            # the frozen expert's steps: a loss with a (zero) gradient, as the others
+            v = v + _zero_from(network)
         return v
 
     def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
