@@ -228,8 +228,9 @@ def test_a_sharded_prepare_never_holds_the_whole_network_on_the_device(
         params = make_trainable(network, spec)
         whole = sum(round_block(p.numel() * 4) for p in params)  # fp32, as the device's blocks
         optimizer = make_optimizer(params, learning_rate=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
+        cfg = SimpleNamespace(fold_lora=True, channels_last=False, compile=False)  # prepare's flags
         run = Run(
-            None, "refl", "step", accelerator, SimpleNamespace(network=network), params, torch.bfloat16, None
+            cfg, "refl", "step", accelerator, SimpleNamespace(network=network), params, torch.bfloat16, None
         )
         run.optimizer = optimizer
         del params, optimizer, network
