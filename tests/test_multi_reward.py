@@ -257,3 +257,41 @@ def test_a_rewards_per_sample_info_is_logged_beside_it():
     assert info_stats("hpsv3:1,jpeg_compressibility:0.5", run, weighted, torch.tensor([True, True])) == {
         "reward/hpsv3/sigma/mean": 2.0
     }
+
+
+def test_refl_logs_a_weighted_rewards_parts_and_info():
+    """ReFL's step log: a weighted reward's total, each part's mean and std and a part's per-sample info (HPSv3's
+    sigma), over the micro-batches, as the policy-gradient trainers log them."""
+    from types import SimpleNamespace
+
+    from refl_ddpo.trainers.backprop import MicroBatch
+    from refl_ddpo.trainers.reward_backprop import log_step
+
+    logged = {}
+    accelerator = SimpleNamespace(
+        gather=lambda x: x, device=torch.device("cpu"), log=lambda d, step: logged.update(d)
+    )
+    cfg = SimpleNamespace(
+        gradient_accumulation_steps=2,
+        reward="hpsv3:1,jpeg_compressibility:0.5",
+        backprop_range=lambda: None,
+        kl_weight=0.0,
+        pretrain_loss_weight=0.0,
+        image_log_steps=0,
+    )
+    terms = {"refl": 0.1, "kl": 0.0, "pretrain": 0.0}
+
+    def micro(hps, jpeg, sigma):
+        info = {
+            "hpsv3": torch.tensor(hps),
+            "jpeg_compressibility": torch.tensor(jpeg),
+            "hpsv3/sigma": torch.tensor(sigma),
+        }
+        return MicroBatch(terms, info["hpsv3"] + 0.5 * info["jpeg_compressibility"], None, ["a"], info)
+
+    results = [micro([2.0], [0.0], [1.0]), micro([4.0], [-2.0], [3.0])]
+    bar = SimpleNamespace(set_postfix=lambda **kw: None, update=lambda n: None)
+    log_step(SimpleNamespace(cfg=cfg, accelerator=accelerator), bar, 1, 3, 1e-4, 0.5, results, None)
+    assert logged["reward/total/mean"] == 2.5 and logged["reward/hpsv3/mean"] == 3.0
+    assert logged["reward/hpsv3/std"] == 1.0 and logged["reward/jpeg_compressibility/mean"] == -1.0
+    assert logged["reward/hpsv3/sigma/mean"] == 2.0 and "reward/hpsv3/sigma/std" not in logged

@@ -323,3 +323,21 @@ def reward_stats(
         out[f"reward/{name}/mean"] = float(values.mean())
         out[f"reward/{name}/std"] = float(values.std(unbiased=False)) if len(values) > 1 else 0.0
     return out
+
+
+def per_sample_info(info: dict, batch: int) -> dict[str, torch.Tensor]:
+    """The entries of a reward's `info` with one value per sample (1-D, `batch` long), detached: a weighted reward's
+    parts under their names, a reward's own extras (e.g. HPSv3's `sigma`) under theirs."""
+    import torch
+
+    return {k: v.detach() for k, v in info.items() if torch.is_tensor(v) and v.ndim == 1 and len(v) == batch}
+
+
+def info_means(spec: str, info: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`reward/<key>/mean` of each per-sample entry of `info` (name -> (N,)) that is not a part of the --reward `spec`
+    (e.g. HPSv3's `sigma`, as `reward/hpsv3/sigma/mean`; a part's own under `reward/<part>/<key>/mean`, the weighted
+    reward's info keys being `<part>/<key>`)."""
+    named = parse_reward_spec(spec)
+    prefix = f"{named[0][0]}/" if len(named) == 1 else ""
+    parts = {name for name, _ in named}
+    return {f"reward/{prefix}{k}/mean": float(v.double().mean()) for k, v in info.items() if k not in parts}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from refl_ddpo.algorithms.reward_backprop import draft_grad_steps, refl_loss, x0_kl
 from refl_ddpo.core.families import Cond, ModelFamily
 from refl_ddpo.core.sampling import DenoiseOutput, denoise
+from refl_ddpo.rewards import per_sample_info
 from refl_ddpo.run.session import Run
 from refl_ddpo.trainers.refl_config import ReFLConfig
 
@@ -45,6 +46,7 @@ class ReFLStepOutput:
     rewards: torch.Tensor  # [B] with graph
     images: torch.Tensor  # [B, 3, H, W] in [0, 1]: the decoded predicted x0 of step k, with graph
     denoised: DenoiseOutput  # the rollout up to step k (all_latents only with keep_trajectory)
+    info: dict[str, torch.Tensor]  # the reward's per-sample info, (B,) each, detached
 
 
 def refl_step(
@@ -68,8 +70,9 @@ def refl_step(
         network=r.network,
     )
     images = r.family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
-    rewards, _ = reward(images, r.prompts, r.metadata)  # [B]
-    return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised)
+    rewards, info = reward(images, r.prompts, r.metadata)  # [B]
+    info = per_sample_info(info, len(rewards))
+    return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised, info)
 
 
 def draft_step(
@@ -128,9 +131,11 @@ def draft_step(
         finals.append(copies)
         prompts, metadata = prompts * (1 + lv_copies), metadata * (1 + lv_copies)
     images = family.decode(torch.cat(finals))  # [(1 + N) B, 3, H, W] in [0, 1]
-    rewards, _ = reward(images, prompts, metadata)  # [(1 + N) B]
+    rewards, info = reward(images, prompts, metadata)  # [(1 + N) B]
     loss = refl_loss(rewards, margin, grad_scale)
-    return ReFLStepOutput(loss, rewards[: len(r.prompts)], images[: len(r.prompts)], denoised)
+    b = len(r.prompts)
+    info = {k: v[:b] for k, v in per_sample_info(info, len(rewards)).items()}
+    return ReFLStepOutput(loss, rewards[:b], images[:b], denoised, info)
 
 
 def kl_to_base(r: Rollout, denoised: DenoiseOutput, steps: int | Collection[int]) -> torch.Tensor:
@@ -268,6 +273,7 @@ class MicroBatch:
     rewards: torch.Tensor  # (processes * B,), gathered
     out: ReFLStepOutput
     prompts: list[str]
+    info: dict[str, torch.Tensor]  # the reward's per-sample info, each (processes * B,), gathered
 
 
 def checked(
@@ -286,7 +292,8 @@ def checked(
             f"step {step + 1}",
             "check the reward and its files in --reward_model_dir",
         )
-    return MicroBatch(terms, rewards, out, prompts)
+    info = {k: run.accelerator.gather(v.float()) for k, v in out.info.items()}
+    return MicroBatch(terms, rewards, out, prompts, info)
 
 
 def clipped_grad_norm(run: Run, step: int, results: list[MicroBatch]) -> torch.Tensor:

@@ -187,24 +187,15 @@ def gather_rewards(accelerator, rewards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def info_stats(spec: str, run: Run, batches: list, finite: torch.Tensor) -> dict[str, float]:
-    """`reward/<key>/mean` of each per-sample entry of the rewards' info that is not a part of the --reward (e.g.
-    HPSv3's `sigma`; a part's own as `reward/<part>/<key>/mean`), gathered over all processes, the `finite` ones."""
-    from refl_ddpo.rewards import parse_reward_spec
+    """`refl_ddpo.rewards.info_means` of the rewards' per-sample info, gathered over all processes, the `finite`
+    ones."""
+    from refl_ddpo.rewards import info_means, per_sample_info
 
-    first = batches[0].rewards[1]
-    named = parse_reward_spec(spec)
-    prefix = f"{named[0][0]}/" if len(named) == 1 else ""  # a weighted reward's info keys are `<part>/<key>`
-    parts = {name for name, _ in named}
-    keys = [
-        k
-        for k, v in first.items()
-        if k not in parts and torch.is_tensor(v) and v.ndim == 1 and len(v) == len(batches[0].rewards[0])
-    ]
-    out = {}
-    for key in keys:
-        values = gather_rewards(run.accelerator, [b.rewards[1][key].detach() for b in batches])[finite]
-        out[f"reward/{prefix}{key}/mean"] = float(values.double().mean())
-    return out
+    keys = per_sample_info(batches[0].rewards[1], len(batches[0].rewards[0]))
+    info = {
+        k: gather_rewards(run.accelerator, [b.rewards[1][k].detach() for b in batches])[finite] for k in keys
+    }
+    return info_means(spec, info)
 
 
 def reward_parts(spec: str, accelerator, batches: list, finite: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -347,7 +347,7 @@ def log_step(
     run: Run, bar, global_step: int, k: int, lr: float, grad_norm: float, results: list[MicroBatch], checksums
 ) -> None:
     """Means over micro-batches and processes to the trackers and the bar; images and weight checksums."""
-    from refl_ddpo.rewards import reward_stats
+    from refl_ddpo.rewards import info_means, parse_reward_spec, reward_stats
     from refl_ddpo.run.training import log_image_grid, weights_digest
 
     cfg, accelerator = run.cfg, run.accelerator
@@ -358,7 +358,9 @@ def log_step(
         torch.tensor([sums["refl"], sums["kl"], sums["pretrain"]], device=accelerator.device)[None]
     )
     losses = losses.mean(0).tolist()
-    stats = reward_stats(cfg.reward, rewards_all)
+    info = {k: torch.cat([r.info[k] for r in results]).cpu() for k in results[0].info}
+    parts = {name: info[name] for name, _ in parse_reward_spec(cfg.reward) if name in info}
+    stats = reward_stats(cfg.reward, rewards_all, parts) | info_means(cfg.reward, info)
     logs = {"refl/loss": losses[0], **stats, "lr": lr, "grad_norm": grad_norm}
     logs["refl/k" if cfg.backprop_range() is None else "refl/backprop_steps"] = k
     if cfg.kl_weight > 0:
