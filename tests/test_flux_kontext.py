@@ -264,7 +264,10 @@ def test_trainer_runs_two_steps_on_edits(trainer, tiny_models, kontext, tmp_path
     watch = watch_training(monkeypatch)
     out = tmp_path / trainer
     common = {"model": MODEL, "edit_data": _two_edits(tmp_path / "d"), "learning_rate": "3e-2"}
-    common |= {"lora_init": "random", "device": "cpu", "report_to": "none"}
+    common |= {"lora_init": "random", "device": "cpu", "report_to": "none", "seed": 5}
+    if trainer == "grpo":  # validated on the edits, each instruction with its source
+        common |= {"validation_prompts_file": common["edit_data"], "num_validation_images": 1}
+        common |= {"validation_num_steps": 2, "validation_guidance_scale": 3.5}
     if trainer == "refl":
         flags = {"num_inference_steps": 4, "k_lo": 2, "k_hi": 3, "train_batch_size": 2, "max_train_steps": 2}
         flags |= {"guidance_scale": 3.5}
@@ -281,6 +284,28 @@ def test_trainer_runs_two_steps_on_edits(trainer, tiny_models, kontext, tmp_path
         _assert_lora_changes_stock_edits(kontext, out)
     if trainer == "grpo":
         _assert_compare_shows_source_before_after(tiny_models, out, common["edit_data"], tmp_path)
+        _assert_validation_edits_with_the_sources(tiny_models, out, common["edit_data"])
+
+
+def _assert_validation_edits_with_the_sources(tiny_models, out, edit_data):
+    """The last validation's records name their sources, and their rewards are those of the trained LoRA's edits of
+    those sources (not of its images drawn from the instructions alone)."""
+    from refl_ddpo.core.lora import load_lora_into_pipeline
+    from refl_ddpo.rewards import build_reward
+
+    records = json.loads((out / "validation" / "epoch-2.json").read_text())["records"]
+    assert [r["source_image"] for r in records] == [[str(edit_data.parent / n)] for n in ("a.png", "b.png")]
+    family, reward = (
+        load_family(str(tiny_models / MODEL)),
+        build_reward("jpeg_compressibility", torch.device("cpu")),
+    )
+    load_lora_into_pipeline(family.pipe, out)
+    metadata = [with_source_images(m) for _, m in load_edit_data(edit_data)]
+    edits = generate_batch(family, PROMPTS, [5, 6], RES, 2, 3.5, metadata=metadata)
+    alone = generate_batch(family, PROMPTS, [5, 6], RES, 2, 3.5)
+    expected = reward.fn(edits, PROMPTS, metadata)[0]
+    assert [r["reward"] for r in records] == pytest.approx(expected.tolist(), abs=1e-5)
+    assert not torch.allclose(expected, reward.fn(alone, PROMPTS, metadata)[0], atol=1e-3)
 
 
 def _assert_compare_shows_source_before_after(tiny_models, lora_dir, edit_data, tmp):

@@ -295,3 +295,11 @@ class PromptDraw:
         from refl_ddpo.core.edit_data import with_source_images
 
         return [p for p, _ in pairs], [with_source_images(m) for _, m in pairs]  # copies
+
+
+def load_records(path: str, edits: bool) -> list[tuple[str, dict]]:
+    """(prompt, metadata) pairs: `path`'s edit records read as --edit_data's when `edits` (an editing run), else the
+    prompts of a prompts file or shipped list (`resolve_prompts`)."""
+    from refl_ddpo.core.edit_data import load_edit_data
+
+    return load_edit_data(path) if edits else resolve_prompts(path)

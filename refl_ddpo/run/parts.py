@@ -290,7 +290,8 @@ class ValidationPart:
         "Held-out prompts to validate on during training (a file, or a shipped list such as toy_world_heldout): "
         "before the first step, every --validation_steps, and after the last, the same seeds through the "
         "deterministic sampler, scored by the training reward(s), logged as validation/<reward>/mean and a "
-        "captioned grid (also saved to output_dir/validation/). None = no validation.",
+        "captioned grid (also saved to output_dir/validation/). An editing run's (--edit_data) is a file of edit "
+        "records as --edit_data's, each instruction validated with its source image(s). None = no validation.",
         group="validation",
     )
     num_validation_images: int = field_(

@@ -63,9 +63,8 @@ class Run:
 
 
 def shared_checks(cfg: CommonConfig) -> CommonConfig:
-    """The checks every trainer makes before a model is loaded: the base model, the LoRA targets and the unset
-    guidance flags (resolved here from the model's family: the run records them), the reward's files, the validation
-    prompts, the hub settings. Returns the resolved config."""
+    """The checks every trainer makes before a model loads: the base model, the LoRA targets, the unset guidance flags
+    (resolved from the model's family), the reward's files, the edits, validation, the hub. Returns the config."""
     from refl_ddpo.core.families import check_edit_data, resolve_guidance, resolve_lora_targets
     from refl_ddpo.core.models import check_pretrained_model
     from refl_ddpo.rewards import check_reward_files
@@ -105,6 +104,7 @@ def validation_spec(cfg: CommonConfig) -> ValidationSpec:
         guidance_scale=cfg.validation_guidance_scale,
         batch_size=cfg.validation_batch_size,
         resolution=cfg.resolution,
+        edits=bool(cfg.edit_data),
     )
 
 

@@ -68,12 +68,13 @@ def check_validation_prompts(cfg) -> None:
     if not cfg.validation_prompts_file:
         return
     from refl_ddpo.core.errors import UserError
-    from refl_ddpo.core.prompts import resolve_prompts
+    from refl_ddpo.core.prompts import load_records
 
     try:
-        resolve_prompts(cfg.validation_prompts_file)
+        load_records(cfg.validation_prompts_file, edits=bool(cfg.edit_data))
     except UserError as e:
-        raise UserError(str(e).replace("--prompts_file", "--validation_prompts_file", 1)) from None
+        flag = "--edit_data" if cfg.edit_data else "--prompts_file"
+        raise UserError(str(e).replace(flag, "--validation_prompts_file", 1)) from None
 
 
 def _finite(x: float) -> float | None:
@@ -92,6 +93,7 @@ class ValidationSpec:
     guidance_scale: float
     batch_size: int
     resolution: int
+    edits: bool = False  # the file holds edit records (an editing run, --edit_data): prompts with sources
 
 
 def make_validator(
@@ -142,7 +144,7 @@ class Validator:
         last: int,
     ):
         from refl_ddpo.core.generate import plan_images
-        from refl_ddpo.core.prompts import resolve_prompts
+        from refl_ddpo.core.prompts import load_records
 
         self.accelerator, self.family, self.reward, self.reward_spec = (
             accelerator,
@@ -151,7 +153,7 @@ class Validator:
             reward_spec,
         )
         self.every, self.unit, self.last = every, unit, last
-        self.specs = plan_images(resolve_prompts(spec.prompts_file), spec.num_images, spec.seed)
+        self.specs = plan_images(load_records(spec.prompts_file, spec.edits), spec.num_images, spec.seed)
         self.per_prompt = spec.num_images
         self.num_steps, self.guidance_scale = spec.num_steps, spec.guidance_scale
         self.batch_size, self.resolution = spec.batch_size, spec.resolution
@@ -297,6 +299,7 @@ class Validator:
     def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
         in [0, 1], rewards (N,), the reward's per-image parts), all on the CPU; the network's mode restored."""
+        from refl_ddpo.core.edit_data import with_source_images
         from refl_ddpo.core.generate import generate_batch
 
         network = self.family.network
@@ -307,6 +310,7 @@ class Validator:
             for start in range(0, len(self.specs), self.batch_size):
                 batch = self.specs[start : start + self.batch_size]
                 prompts = [s.prompt for s in batch]
+                metadata = [with_source_images(s.metadata) for s in batch]  # an edit's sources read
                 with self.accelerator.autocast():
                     pixels = generate_batch(
                         self.family,
@@ -317,10 +321,11 @@ class Validator:
                         self.guidance_scale,
                         eta=0.0,
                         scheduler=self.scheduler,
+                        metadata=metadata,
                     ).clone()  # (B, 3, H, W) in [0, 1]; out of inference mode for the reward
                 with torch.no_grad():
-                    r, info = self.reward(pixels, prompts, [dict(s.metadata) for s in batch])
-                    info = {**info, **self.score(pixels, prompts, [dict(s.metadata) for s in batch])}
+                    r, info = self.reward(pixels, prompts, [dict(m) for m in metadata])
+                    info = {**info, **self.score(pixels, prompts, [dict(m) for m in metadata])}
                 images.append((pixels[:, 0] if pixels.ndim == 5 else pixels).float().cpu())  # videos: frame 0
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
@@ -371,8 +376,9 @@ class Validator:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(grid.permute(1, 2, 0).numpy()).save(self.folder / f"{name}.png")
-        records = [
+        records = [  # an edit's record names its source image(s), as inference's scores.json
             {"prompt": s.prompt, "seed": s.seed, "reward": _finite(float(r))}
+            | ({"source_image": s.metadata["source_paths"]} if "source_paths" in s.metadata else {})
             for s, r in zip(self.specs, rewards_all, strict=True)
         ]
         summary = {
