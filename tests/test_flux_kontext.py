@@ -289,7 +289,7 @@ def test_trainer_runs_two_steps_on_edits(trainer, tiny_models, kontext, tmp_path
 
 def _assert_validation_edits_with_the_sources(tiny_models, out, edit_data):
     """The last validation's records name their sources, and their rewards are those of the trained LoRA's edits of
-    those sources (not of its images drawn from the instructions alone)."""
+    those sources (not of its images drawn from the instructions alone); the model card's command draws them again."""
     from refl_ddpo.core.lora import load_lora_into_pipeline
     from refl_ddpo.rewards import build_reward
 
@@ -306,6 +306,9 @@ def _assert_validation_edits_with_the_sources(tiny_models, out, edit_data):
     expected = reward.fn(edits, PROMPTS, metadata)[0]
     assert [r["reward"] for r in records] == pytest.approx(expected.tolist(), abs=1e-5)
     assert not torch.allclose(expected, reward.fn(alone, PROMPTS, metadata)[0], atol=1e-3)
+    assert (
+        f"--edit_data {edit_data} --seed 5" in (out / "README.md").read_text()
+    )  # the card's command draws them
 
 
 def _assert_compare_shows_source_before_after(tiny_models, lora_dir, edit_data, tmp):

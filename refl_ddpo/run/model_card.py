@@ -333,12 +333,13 @@ def _kit_example(validation: ValidationSpec, where: str, base: str) -> list[str]
     prompts = validation.prompts_file
     if prompts in PROMPT_SOURCES and not Path(prompts).exists():
         prompts = str(DATA_DIR / f"{prompts}.txt")
+    flag = "edit_data" if validation.edits else "prompts_file"  # an editing run validates on edit records
     return [
         "With this kit, the validation images again (the same prompts, seeds and sampler):",
         "",
         "```bash",
         (
-            f"{command} \\\n  --prompts_file {prompts} --seed {validation.seed} --num_images_per_prompt "
+            f"{command} \\\n  --{flag} {prompts} --seed {validation.seed} --num_images_per_prompt "
             f"{validation.num_images} --num_inference_steps {validation.num_steps} --guidance_scale "
             f"{validation.guidance_scale:g} --resolution {validation.resolution}"
         ),
