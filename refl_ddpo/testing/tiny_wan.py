@@ -29,7 +29,8 @@ SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": 
 TEXT_WIDTH = 32  # the tiny UMT5's d_model (umt5-xxl's is 4096), the transformer's text_dim
 BOUNDARY_RATIO = 0.875  # Wan-AI/Wan2.2-T2V-A14B-Diffusers model_index.json
 I2V_BOUNDARY_RATIO = 0.9  # Wan 2.2 I2V A14B (Wan's wan/configs/wan_i2v_A14B.py: boundary 0.900)
-CLIP_WIDTH = 16  # the tiny CLIP vision tower's hidden size (ViT-H/14's is 1280), the I2V transformer's image_dim
+# the tiny CLIP vision tower's hidden size (ViT-H/14's is 1280), the I2V transformer's image_dim
+CLIP_WIDTH = 16
 
 
 def tiny_umt5(seed: int):

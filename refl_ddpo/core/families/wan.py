@@ -168,11 +168,10 @@ class Wan(StableDiffusion3):
         """One expert's (guided) velocity, as the pipeline's loop body calls it."""
         net = network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
         x, t, extra = self.network_inputs(net, latents, t, cond)
-        e = cond["prompt_embeds"]
-        v = net(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False, **extra)[0]
+        kw = {"hidden_states": x, "timestep": t, "return_dict": False, **extra}
+        v = net(encoder_hidden_states=cond["prompt_embeds"], **kw)[0]
         if guidance_scale > 1.0 and uncond is not None:
-            e = uncond["prompt_embeds"]
-            v_uncond = net(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False, **extra)[0]
+            v_uncond = net(encoder_hidden_states=uncond["prompt_embeds"], **kw)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
         if network is not None and net is not network and torch.is_grad_enabled():
             # the frozen expert's steps: a loss with a (zero) gradient, as the others

@@ -76,8 +76,8 @@ class WanI2V(Wan):
         from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 
         pipe, vae, side = self.pipe, self.vae, self.video_resolution
-        pixels = pipe.video_processor.preprocess(image, height=side, width=side).to(pipe.device, torch.float32)
-        frames = pixels.unsqueeze(2)  # (1, 3, 1, H, W) in [-1, 1]
+        pixels = pipe.video_processor.preprocess(image, height=side, width=side)  # (1, 3, H, W) in [-1, 1]
+        frames = pixels.to(pipe.device, torch.float32).unsqueeze(2)  # (1, 3, 1, H, W)
         video = torch.cat([frames, frames.new_zeros(1, 3, self.num_frames - 1, side, side)], dim=2)
         z = retrieve_latents(vae.encode(video.to(vae.dtype)), sample_mode="argmax").float()
         shape = (1, vae.config.z_dim, 1, 1, 1)
