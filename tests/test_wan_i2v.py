@@ -227,3 +227,43 @@ def test_wrong_inputs_are_refused_in_one_line_before_loading(tiny_models, tmp_pa
     check_video_flags(str(tiny_models / "tiny-wan22-i2v"), 9)
     with pytest.raises(UserError, match="--num_frames 8"):
         check_video_flags(str(tiny_models / "tiny-wan22-i2v"), 8)
+
+
+def test_flow_factory_wan21_i2v_preset_trains_on_first_frames(tiny_models, tmp_path, capsys, monkeypatch):
+    """Flow-Factory's Wan 2.1 I2V example as data (one GPU's share), and a run of it scaled down to the tiny Wan 2.1
+    I2V with --edit_data: one group of 2, JPEG size as reward, one epoch, CPU precision."""
+    from helpers import train_preset_small
+
+    from refl_ddpo.run.flags import parse_config
+    from refl_ddpo.trainers import grpo
+    from refl_ddpo.trainers.grpo_config import GRPOConfig
+    from refl_ddpo.trainers.wan_presets import WAN_GRPO_PRESETS
+
+    edits = _edit_data(tmp_path / "d")
+    assert (
+        WAN_GRPO_PRESETS["flow_factory_wan21_i2v"]["pretrained_model"]
+        == "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
+    )
+    model = ["--pretrained_model", str(tiny_models / "tiny-wan21-i2v"), "--edit_data", str(edits)]
+    cfg = parse_config(GRPOConfig, ["--preset", "flow_factory_wan21_i2v", *model])
+    assert (cfg.reward, cfg.resolution, cfg.num_frames) == ("pickscore", 240, 5)
+    assert (cfg.sample_num_steps, cfg.sample_eta, cfg.sample_guidance_scale, cfg.sde_window) == (
+        10,
+        0.9,
+        5.0,
+        1,
+    )
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.learning_rate, cfg.group_size) == (64, 128, 1e-4, 16)
+    small = {"sample_num_steps": STEPS, "train_skip_last_steps": 1, "lora_rank": 4, "lora_alpha": 8}
+    train_preset_small(
+        monkeypatch,
+        capsys,
+        grpo.main,
+        tiny_models,
+        tmp_path / "out",
+        "flow_factory_wan21_i2v",
+        model="tiny-wan21-i2v",
+        resolution=RES,
+        edit_data=edits,
+        **small,
+    )
