@@ -185,7 +185,40 @@ def test_trainer_runs_two_epochs_on_first_frames(trainer, model, expert, tiny_mo
     before = _stock_video(pipe, 0, seed=0)
     pipe.load_lora_weights(str(out), load_into_transformer_2=expert == "transformer_2")
     assert any("lora_" in n for n, _ in getattr(pipe, expert).named_parameters())
-    assert (_stock_video(pipe, 0, seed=0) - before).abs().max() > 1e-4
+    after = _stock_video(pipe, 0, seed=0)
+    assert (after - before).abs().max() > 1e-4
+    if (
+        trainer == "nft"
+    ):  # the kit's LoRA inference, as the stock call (Wan 2.1 I2V's loader adds zero matrices)
+        assert (_lora_inference_frames(out, tmp_path) - after[0]).abs().max() * 255 <= 1
+
+
+def _lora_inference_frames(lora_dir: Path, tmp_path: Path) -> torch.Tensor:
+    """inference_lora.py --edit_data's frames (T, 3, H, W) in [0, 1] of the first edit at seed 0 (the base, size and
+    frames read from the LoRA's config.json), as `_stock_video(pipe, 0, seed=0)` calls it."""
+    from refl_ddpo.apps import inference
+    from refl_ddpo.run.flags import parse_config
+
+    argv = [
+        "--lora_dir",
+        str(lora_dir),
+        "--edit_data",
+        str(tmp_path / "d" / "edits.jsonl"),
+        "--device",
+        "cpu",
+    ]
+    argv += ["--output_dir", str(tmp_path / "lora_out"), "--num_images_per_prompt", "1", "--seed", "0"]
+    argv += [
+        "--num_inference_steps",
+        str(STEPS),
+        "--guidance_scale",
+        "4",
+        "--rewards",
+        "jpeg_compressibility",
+    ]
+    record = inference.run_inference(parse_config(inference.LoraInferenceConfig, argv))["records"][0]
+    frames = [np.array(Image.open(tmp_path / "lora_out" / f).convert("RGB")) for f in record["frames"]]
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float() / 255
 
 
 def test_wrong_inputs_are_refused_in_one_line_before_loading(tiny_models, tmp_path, capsys):
