@@ -80,7 +80,7 @@ def _family(path):
 @pytest.mark.parametrize(("model", "guidance_2"), [("tiny-wan21-i2v", None), ("tiny-wan22-i2v", 1.5)])
 def test_videos_match_the_stock_pipeline(tiny_models, model, guidance_2):
     """A batch of two prompts, each with its own image: each video equals the stock call with that image and
-    seed (float32, to 1e-5; the stock call animates one image at a time)."""
+    seed (float32, to 1e-5: the stock call animates one image at a time); a batch of one, bit for bit."""
     family = _family(tiny_models / model)
     family.guidance_scale_2 = guidance_2
     metadata = [{SOURCE_IMAGES: [_tensor(im)]} for im in _images()]
@@ -90,6 +90,8 @@ def test_videos_match_the_stock_pipeline(tiny_models, model, guidance_2):
     ref = torch.cat([_stock_video(stock, i, seed=i, **kw) for i in range(2)])
     assert videos.shape == ref.shape == (2, FRAMES, 3, RES, RES)
     torch.testing.assert_close(videos, ref, rtol=0, atol=1e-5)
+    one = generate_batch(family, PROMPTS[:1], [0], RES, STEPS, 4.0, metadata=metadata[:1])
+    assert torch.equal(one, ref[:1])  # a batch of one is the stock call itself: bit for bit
     assert ("image_embeds" in family.encode_conditioning(PROMPTS[:1], metadata[:1], False)[0]) == (
         model == "tiny-wan21-i2v"
     )
