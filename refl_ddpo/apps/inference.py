@@ -102,6 +102,10 @@ def load_inference_family(cfg: InferenceConfig) -> tuple[ModelFamily, InferenceC
         family.num_frames = cfg.num_frames or family.num_frames
         family.guidance_scale_2 = cfg.guidance_scale_2
         video = {"num_frames": family.num_frames}
+    if hasattr(
+        family, "video_resolution"
+    ):  # image-to-video: the first frames are resized to the videos' size
+        family.video_resolution = resolution
     used = dataclasses.replace(cfg, scheduler=scheduler, resolution=resolution, **video)
     if hasattr(cfg, "base_from_lora_config"):  # set by check() beside the fields: kept on the copy
         used.base_from_lora_config = cfg.base_from_lora_config

@@ -243,7 +243,8 @@ def _check_all_unet_keys_loaded(unet, lora_dir: Path) -> None:
     with safe_open(str(lora_dir / LORA_WEIGHTS_NAME), "pt") as f:
         in_file = sum(1 for k in f.keys() if file_matrix.match(k))  # noqa: SIM118 (safe_open is no dict)
     loaded = sum(1 for n, _ in unet.named_parameters() if _UNET_LORA_MATRIX.search(n))
-    if in_file and loaded != in_file:
+    # more is fine: Wan 2.1 I2V's loader adds zero LoRA matrices to the image cross-attention (add_k/v_proj)
+    if in_file and loaded < in_file:
         raise UserError(
             f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): only "
             f"{loaded} of its {in_file} UNet LoRA matrices have a matching layer."

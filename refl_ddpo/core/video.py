@@ -10,6 +10,7 @@ from pathlib import Path
 from refl_ddpo.core.errors import UserError
 
 REDUCTIONS = ("mean", "min")
+VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")  # model_index.json classes that draw videos
 
 
 def parse_reduction(spec: str) -> tuple[str, int | None]:
@@ -61,7 +62,7 @@ def check_video_flags(model: str, num_frames: int | None, **image_flags) -> None
 
     if num_frames is None and all(v is None for v in image_flags.values()):
         return  # nothing set: nothing to check (and no config read)
-    if pipeline_class_name(model) == "WanPipeline":
+    if pipeline_class_name(model) in VIDEO_PIPELINES:
         if num_frames is not None:
             check_num_frames(model, num_frames)
         return

@@ -115,6 +115,8 @@ FAMILIES = {
     "z_image": "Z-Image / Z-Image-Turbo (single-stream DiT, flow matching, Qwen3 text encoder)",
     "flux2": "FLUX.2 [dev] (rectified-flow transformer, Mistral-Small-3.1 text encoder, embedded guidance)",
     "flux2_klein": "FLUX.2 [klein] (rectified-flow transformer, Qwen3 text encoder)",
+    "wan": "Wan 2.1 / 2.2 text-to-video (video DiT, flow matching, UMT5 text encoder)",
+    "wan_i2v": "Wan 2.1 / 2.2 image-to-video (Wan animating a first frame: its latents on the channels)",
 }
 TAGS = {
     "sd": "stable-diffusion",
@@ -127,6 +129,8 @@ TAGS = {
     "z_image": "z-image",
     "flux2": "flux2",
     "flux2_klein": "flux2-klein",
+    "wan": "wan",
+    "wan_i2v": "wan-i2v",
 }
 
 

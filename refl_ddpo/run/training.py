@@ -273,6 +273,10 @@ def resolve_resolution(cfg: CommonConfig, family, info=None) -> CommonConfig:
     if hasattr(family, "num_frames"):  # a video model: its frame count, resolved alike
         family.num_frames = cfg.num_frames or family.num_frames
         cfg = dataclasses.replace(cfg, num_frames=family.num_frames)
+    if hasattr(
+        family, "video_resolution"
+    ):  # image-to-video: the first frames are resized to the videos' size
+        family.video_resolution = cfg.resolution
     if cfg.resolution % family.vae_scale_factor:
         raise UserError(
             f"--resolution {cfg.resolution} must be a multiple of the VAE scale factor "

@@ -18,7 +18,9 @@ writes
     OUT/tiny-flux2/, OUT/tiny-flux2-klein/, OUT/tiny-flux2-klein-base/   FLUX.2 [dev] and [klein] (distilled, base)
                             layouts: Mistral3 / Qwen3 text encoders and tokenizers built offline (tiny_flux2)
     OUT/tiny-wan21/, OUT/tiny-wan22/   Wan 2.1 / Wan 2.2 (two experts) text-to-video layouts: UMT5 and its T5
-                            tokenizer built offline, the 3-D VAE (refl_ddpo.testing.tiny_wan)
+                            tokenizer built offline, the 3-D VAE (refl_ddpo.testing.tiny_wan);
+                            OUT/tiny-wan21-i2v/, OUT/tiny-wan22-i2v/: their image-to-video layouts (Wan 2.1's
+                            with a tiny CLIP vision encoder and its image processor)
     OUT/ImageReward.pt      official key layout, tiny dims
     OUT/med_config.json
     OUT/bert-base-uncased/  a plain BERT tokenizer folder
@@ -315,6 +317,7 @@ def write_tiny_models(out: str | Path, seed: int = 0, denoiser_steps: int = 0) -
     tiny_zimage.write_tiny_z_image(out, seed)
     tiny_flux2.write_tiny_flux2(out, seed)
     tiny_wan.write_tiny_wan(out, seed)
+    tiny_wan.write_tiny_wan_i2v(out, seed)
     tiny_rewards.write_imagereward(out, seed=seed)
     tiny_rewards.write_aesthetic(out / "aesthetic", seed=seed)
     tiny_rewards.write_clip(out, seed=seed)

@@ -8,6 +8,12 @@ start from 0-3), CLIP score and PickScore weighted 1 : 0.5 with GDPO's per-rewar
 evaluate at 480 px and 13 frames with 28 steps, the kit at the training size. Their weight EMA (decay 0.9 every 4
 epochs) has no counterpart in the kit's GRPO; their flow_shift 3.0 is the sampler's shift (the kit's Euler sampler
 takes the folder's flow_shift, 3.0 in Wan-AI's 480p folders as well as their example).
+
+Their image-to-video example for Wan 2.1 (examples/grpo/lora/wan21/i2v.yaml) is `flow_factory_wan21_i2v`, with the
+first frames given by --edit_data (their dataset's images and prompts): the same sampler and optimiser at 240 px, with
+PickScore alone (their "gdpo" with one reward is the plain group normalisation); they evaluate at 480 px with 28
+steps, and the kit's validation has no first frames to draw from (refused for I2V). Their Wan 2.2 I2V example trains
+both experts at once, which `--wan_expert` does not offer here.
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ _WAN_T2V = {
 
 WAN_GRPO_PRESETS: dict[str, dict[str, Any]] = {
     "flow_factory_wan21": {**_WAN_T2V, "pretrained_model": "Wan-AI/Wan2.1-T2V-14B-Diffusers"},
+    "flow_factory_wan21_i2v": {
+        **{k: v for k, v in _WAN_T2V.items() if not k.startswith("validation_")},
+        "pretrained_model": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        "reward": "pickscore",
+        "reward_aggregation": "sum",
+        "resolution": 240,
+    },
     # Wan 2.2 A14B: the LoRA on its high-noise expert (their target_components 'transformer'), the SDE step kept
     # among that expert's steps: at shift 3, t >= 875 holds for steps 0-2 of 10 (t 1000, 960, 913; step 3 is 858),
     # so the window starts at 0-2 (a step of the frozen expert would train nothing)

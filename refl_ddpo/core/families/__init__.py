@@ -29,6 +29,7 @@ FAMILIES = {
     "Flux2Pipeline": ("refl_ddpo.core.families.flux2", "Flux2"),
     "Flux2KleinPipeline": ("refl_ddpo.core.families.flux2", "Flux2Klein"),
     "WanPipeline": ("refl_ddpo.core.families.wan", "Wan"),
+    "WanImageToVideoPipeline": ("refl_ddpo.core.families.wan_i2v", "WanI2V"),
 }
 
 
@@ -100,19 +101,38 @@ def load_family(
     return family
 
 
-def check_edit_data(name: str, edit_data: str | None) -> None:
-    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) and readable
-    edits: one line naming what is wrong otherwise, before any weights load."""
+def check_edit_data(name: str, edit_data: str | None, validation_prompts_file: str | None = None) -> None:
+    """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) or animates
+    an image (Wan image-to-video, which needs it, and cannot draw validation prompts, which have no image), and
+    readable edits: one line naming what is wrong otherwise, before any weights load."""
     from refl_ddpo.core.edit_data import load_edit_data
-    from refl_ddpo.core.models import pipeline_class_name
+    from refl_ddpo.core.models import model_index, pipeline_class_name
 
+    pipeline_class = pipeline_class_name(name)
+    cls = family_class(pipeline_class)
+    if getattr(cls, "needs_source_images", False):
+        if not edit_data:
+            raise UserError(
+                f"{name} is an image-to-video model ({pipeline_class}): give each prompt its first frame with "
+                "--edit_data FILE (JSONL lines of {'image': path, 'instruction': prompt})."
+            )
+        if validation_prompts_file:
+            raise UserError(
+                f"--validation_prompts_file: {name} is an image-to-video model and validation prompts carry no "
+                "first frame; leave it unset."
+            )
+        if model_index(name).get("expand_timesteps"):
+            raise UserError(
+                f"--edit_data: {name} is Wan 2.2 TI2V-5B-like (expand_timesteps), whose image-to-video is not "
+                "supported; use a Wan 2.1 / 2.2 I2V model."
+            )
     if not edit_data:
         return
-    pipeline_class = pipeline_class_name(name)
-    if not family_class(pipeline_class).edits_images:
+    if not cls.edits_images:
         raise UserError(
             f"--edit_data: {name} is a {pipeline_class} folder, which draws from the prompt alone and would ignore "
-            "the source images; edit with a FLUX.1 Kontext, Qwen-Image-Edit-Plus or FLUX.2 model."
+            "the source images; edit with a FLUX.1 Kontext, Qwen-Image-Edit-Plus or FLUX.2 model, or animate "
+            "with a Wan image-to-video one."
         )
     load_edit_data(edit_data)  # every image opened, its size checked
 

@@ -112,7 +112,7 @@ class Wan(StableDiffusion3):
             )
         frames = (self.num_frames - 1) // self.pipe.vae_scale_factor_temporal + 1
         side = resolution // self.vae_scale_factor
-        shape = (batch_size, self.network.config.in_channels, frames, side, side)
+        shape = (batch_size, self.vae.config.z_dim, frames, side, side)  # I2V's network reads more
         return randn_tensor(shape, generator=generator, device=self.pipe.device, dtype=torch.float32)
 
     def set_timesteps(self, scheduler, num_inference_steps: int, latents: torch.Tensor) -> torch.Tensor:
@@ -167,22 +167,27 @@ class Wan(StableDiffusion3):
     def _expert_call(self, expert, network, latents, t, cond, uncond, guidance_scale):
         """One expert's (guided) velocity, as the pipeline's loop body calls it."""
         net = network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
-        x = latents.to(cond["prompt_embeds"].dtype)
-        if self.pipe.config.get("expand_timesteps", False):  # TI2V-5B: one timestep per video token
-            p = net.config.patch_size
-            tokens = x.shape[2] // p[0] * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
-            t = t[:, None].expand(-1, tokens)
-        v = net(hidden_states=x, timestep=t, encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[
-            0
-        ]
+        x, t, extra = self.network_inputs(net, latents, t, cond)
+        kw = {"hidden_states": x, "timestep": t, "return_dict": False, **extra}
+        v = net(encoder_hidden_states=cond["prompt_embeds"], **kw)[0]
         if guidance_scale > 1.0 and uncond is not None:
-            e = uncond["prompt_embeds"]
-            v_uncond = net(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+            v_uncond = net(encoder_hidden_states=uncond["prompt_embeds"], **kw)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
         if network is not None and net is not network and torch.is_grad_enabled():
             # the frozen expert's steps: a loss with a (zero) gradient, as the others
             v = v + _zero_from(network)
         return v
+
+    def network_inputs(self, net, latents, t, cond: Cond) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(hidden_states, timestep, other keyword arguments) of an expert's call on `latents` at `t` (B,): the
+        latents in the conditioning's dtype; TI2V-5B (`expand_timesteps`) one timestep per video token. The
+        image-to-video family (families/wan_i2v.py) adds its image condition here."""
+        x = latents.to(cond["prompt_embeds"].dtype)
+        if self.pipe.config.get("expand_timesteps", False):  # TI2V-5B: one timestep per video token
+            p = net.config.patch_size
+            tokens = x.shape[2] // p[0] * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
+            t = t[:, None].expand(-1, tokens)
+        return x, t, {}
 
     def add_noise(self, scheduler, x0: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
         """The flow-matching forward process at `timestep`'s sigma: (1 - sigma) x0 + sigma noise (5-D)."""
