@@ -180,9 +180,20 @@ def test_trainer_runs_two_epochs_on_first_frames(trainer, model, expert, tiny_mo
         wan_expert=expert,
         device="cpu",
         report_to="none",
+        seed=5,
     )
+    if trainer == "nft":  # validated on held-out first frames: edit records
+        flags += [
+            "--validation_prompts_file",
+            str(tmp_path / "d" / "edits.jsonl"),
+            "--num_validation_images",
+            "1",
+        ]
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
     watch.assert_lora_moved_and_base_not(out)
+    if trainer == "nft":
+        records = json.loads((out / "validation" / "epoch-2.json").read_text())["records"]
+        assert [len(r["source_image"]) for r in records] == [1] * len(records) and len(records) >= 1
     pipe = _stock(tiny_models / model)
     before = _stock_video(pipe, 0, seed=0)
     pipe.load_lora_weights(str(out), load_into_transformer_2=expert == "transformer_2")
@@ -238,10 +249,10 @@ def test_wrong_inputs_are_refused_in_one_line_before_loading(tiny_models, tmp_pa
             "image-to-video model (WanImageToVideoPipeline): give each prompt its first frame",
         ),
         ("tiny-wan21", {"edit_data": edits}, "WanPipeline folder, which draws from the prompt alone"),
-        (
+        (  # an image-to-video run validates on edit records: a prompts file is refused as one
             "tiny-wan22-i2v",
-            {"edit_data": edits, "validation_prompts_file": edits},
-            "validation prompts carry no",
+            {"edit_data": edits, "validation_prompts_file": "toy_world_heldout"},
+            "--validation_prompts_file",
         ),
     ]
     for model, extra, needle in cases:

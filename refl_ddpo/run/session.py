@@ -75,7 +75,7 @@ def shared_checks(cfg: CommonConfig) -> CommonConfig:
     check_pretrained_model(cfg.pretrained_model)
     cfg = resolve_guidance(resolve_lora_targets(cfg))
     check_reward_files(cfg.reward, cfg.reward_model_dir)
-    check_edit_data(cfg.pretrained_model, cfg.edit_data, cfg.validation_prompts_file)
+    check_edit_data(cfg.pretrained_model, cfg.edit_data)
     check_validation_prompts(cfg)
     check_guard(cfg)
     check_push(cfg)

@@ -101,10 +101,10 @@ def load_family(
     return family
 
 
-def check_edit_data(name: str, edit_data: str | None, validation_prompts_file: str | None = None) -> None:
+def check_edit_data(name: str, edit_data: str | None) -> None:
     """--edit_data (if given) needs a model that edits (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2) or animates
-    an image (Wan image-to-video, which needs it, and cannot draw validation prompts, which have no image), and
-    readable edits: one line naming what is wrong otherwise, before any weights load."""
+    an image (Wan image-to-video, which needs it), and readable edits: one line naming what is wrong otherwise,
+    before any weights load (an editing run's --validation_prompts_file is edit records too: run.validation)."""
     from refl_ddpo.core.edit_data import load_edit_data
     from refl_ddpo.core.models import model_index, pipeline_class_name
 
@@ -115,11 +115,6 @@ def check_edit_data(name: str, edit_data: str | None, validation_prompts_file: s
             raise UserError(
                 f"{name} is an image-to-video model ({pipeline_class}): give each prompt its first frame with "
                 "--edit_data FILE (JSONL lines of {'image': path, 'instruction': prompt})."
-            )
-        if validation_prompts_file:
-            raise UserError(
-                f"--validation_prompts_file: {name} is an image-to-video model and validation prompts carry no "
-                "first frame; leave it unset."
             )
         if model_index(name).get("expand_timesteps"):
             raise UserError(

@@ -96,8 +96,8 @@ class WanI2V(Wan):
         CLIP embeddings as `encoder_hidden_states_image`."""
         if "image_condition" not in cond:
             raise UserError(
-                "Wan image-to-video draws from a first frame: give the prompts their images with --edit_data "
-                "(validation prompts without images cannot be drawn)."
+                "Wan image-to-video draws from a first frame: give the prompts their images with --edit_data (and "
+                "--validation_prompts_file, if set, as edit records too)."
             )
         condition = cond["image_condition"].to(latents.device)
         x = torch.cat([latents.float(), condition], dim=1).to(cond["prompt_embeds"].dtype)
