@@ -5,7 +5,9 @@ A LoRA saved here is `pytorch_lora_weights.safetensors` (diffusers key names und
 for SD 1.x/2.x and SDXL, `transformer.` for SD3 and FLUX.1, the LoRA config in its metadata) and loads into a stock
 pipeline with `StableDiffusionPipeline.from_pretrained(base).load_lora_weights(DIR)` (or `StableDiffusionXLPipeline`,
 `StableDiffusion3Pipeline`, `FluxPipeline`, `QwenImagePipeline`, `ZImagePipeline`).
-Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py.
+Pattern of diffusers' examples/text_to_image/train_text_to_image_lora.py. A network made of parts that each carry
+a LoRA (Wan 2.2's two experts, `refl_ddpo.core.families.wan_experts`) says where each part's file goes
+(`lora_parts`): the first at the top of the folder, the others in their subfolders, each in its own format.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 import torch
 
 from refl_ddpo.core.errors import UserError
+
+# Wan 2.2's low-noise expert's LoRA, a subfolder beside the high-noise one's file (core.families.wan_experts)
+EXPERT_2_DIR = "transformer_2"
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 FULL_UNET_DIR = "unet"  # full fine-tune: the UNet is saved in diffusers format under this subfolder
@@ -41,6 +46,14 @@ _LORA_FORMATS = {
     # Wan 2.1 / 2.2: a LoRA of Wan 2.2's transformer_2 has the same keys, loaded with load_into_transformer_2=True
     "WanTransformer3DModel": ("WanPipeline", "transformer", False),
 }
+
+
+def lora_parts(network) -> list[tuple[str, torch.nn.Module, str]]:
+    """(its name in `network`, network, its folder in a LoRA folder) for each network that carries a LoRA of its
+    own: the network itself at the top, or the parts a compound network names (Wan 2.2's two experts: the second
+    in transformer_2/)."""
+    parts = getattr(network, "lora_parts", None)
+    return [("", network, "")] if parts is None else parts()
 
 
 def _lora_format(network) -> tuple[str, str, bool]:
@@ -126,7 +139,11 @@ def save_lora(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if getattr(unet, "peft_config", None):
+    parts = lora_parts(unet)
+    if len(parts) > 1:  # each part's LoRA in its folder (a compound network is never sharded: no `state`)
+        for _, part, folder in parts:
+            save_lora(part, out_dir / folder)
+    elif getattr(unet, "peft_config", None):
         state = {
             k: v.detach().to("cpu", torch.float32).contiguous()
             for k, v in lora_state_dict(unet, state).items()
@@ -159,9 +176,17 @@ def save_lora(
 
 
 def read_lora_state(unet, lora_dir: str | Path) -> dict[str, torch.Tensor]:
-    """A LoRA saved by `save_lora` for this network, in peft's names (`x.lora_A.weight`)."""
+    """A LoRA saved by `save_lora` for this network, in peft's names (`x.lora_A.weight`; a compound network's with
+    its part's name in front, as peft's `get_peft_model_state_dict` of it names them)."""
     from diffusers.utils import convert_unet_state_dict_to_peft
     from safetensors.torch import load_file
+
+    if len(parts := lora_parts(unet)) > 1:
+        return {
+            f"{name}.{k}": v
+            for name, part, folder in parts
+            for k, v in read_lora_state(part, Path(lora_dir) / folder).items()
+        }
 
     state = load_file(str(Path(lora_dir) / LORA_WEIGHTS_NAME))
     prefix = _lora_format(unet)[1]
@@ -172,16 +197,23 @@ def load_lora_into_unet(unet, lora_dir: str | Path) -> None:
     """Restore a LoRA saved by `save_lora` into a UNet that already has the same adapter (resume)."""
     from peft.utils import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(unet, read_lora_state(unet, lora_dir))
-    if getattr(result, "unexpected_keys", None):
-        raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
+    for _, part, folder in lora_parts(unet):
+        where = Path(lora_dir) / folder
+        if not (where / LORA_WEIGHTS_NAME).is_file():
+            raise UserError(
+                f"{lora_dir}: no {Path(folder) / LORA_WEIGHTS_NAME} to restore (another --wan_expert?)."
+            )
+        result = set_peft_model_state_dict(part, read_lora_state(part, where))
+        if getattr(result, "unexpected_keys", None):
+            raise UserError(f"{lora_dir}: LoRA keys do not fit this UNet (e.g. {result.unexpected_keys[0]}).")
 
 
 def load_lora_into_pipeline(
     pipe, lora_dir: str | Path, scale: float = 1.0, expert: str | None = None
 ) -> None:
     """Inference: apply a saved LoRA (or full UNet) from `lora_dir` to `pipe`, with one-line errors. `expert`
-    "transformer_2": a LoRA of Wan 2.2's low-noise expert, loaded there."""
+    "transformer_2": a LoRA of Wan 2.2's low-noise expert, loaded there; "both": the top file into `transformer`,
+    transformer_2/'s into `transformer_2` (as `save_lora` writes a `WanExperts` pair)."""
     lora_dir = Path(lora_dir)
     if (lora_dir / FULL_UNET_DIR / "config.json").is_file():
         from diffusers import UNet2DConditionModel
@@ -200,21 +232,32 @@ def load_lora_into_pipeline(
     # raise one line ourselves instead.
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
+    # (the network it goes into, the file's subfolder, the loader's arguments)
+    into_2 = ("transformer_2", "", {"load_into_transformer_2": True})
+    both = [("transformer", "", {}), ("transformer_2", EXPERT_2_DIR, into_2[2])]
+    default = ("unet" if hasattr(pipe, "unet") else "transformer", "", {})
     try:
-        into_2 = {"load_into_transformer_2": True} if expert == "transformer_2" else {}
-        pipe.load_lora_weights(str(lora_dir), adapter_name="default", **into_2)
+        for name, folder, kwargs in {"transformer_2": [into_2], "both": both}.get(expert or "", [default]):
+            _load_one_lora(pipe, lora_dir, folder, kwargs)
+            network = getattr(pipe, name)
+            _check_all_unet_keys_loaded(network, lora_dir / folder)
+            _check_finite(network, lora_dir, lambda name: "lora_" in name)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    if scale != 1.0:
+        pipe.set_adapters(["default"], adapter_weights=[scale])
+
+
+def _load_one_lora(pipe, lora_dir: Path, folder: str, kwargs: dict) -> None:
+    """The stock `load_lora_weights` of lora_dir's file (in `folder`, "" for the top) as adapter "default"."""
+    try:
+        where = {"subfolder": folder} if folder else {}
+        pipe.load_lora_weights(str(lora_dir), adapter_name="default", **where, **kwargs)
     except (RuntimeError, ValueError, KeyError) as e:
         msg = " ".join(str(e).split())[:300]
         raise UserError(
             f"--lora_dir {lora_dir} does not fit --pretrained_model (another architecture?): {msg}"
         ) from None
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
-    network = pipe.unet if hasattr(pipe, "unet") else getattr(pipe, expert or "transformer")
-    _check_all_unet_keys_loaded(network, lora_dir)
-    _check_finite(network, lora_dir, lambda name: "lora_" in name)
-    if scale != 1.0:
-        pipe.set_adapters(["default"], adapter_weights=[scale])
 
 
 def _check_finite(unet, lora_dir: Path, trained) -> None:
@@ -265,8 +308,8 @@ def check_lora_dir(lora_dir: str | Path, flag: str = "--lora_dir") -> None:
             raise UserError(
                 f"{flag} {lora_dir}: {lora_dir / FULL_UNET_DIR / 'config.json'} is not JSON ({e})."
             ) from None
-    else:
-        files = [lora_dir / LORA_WEIGHTS_NAME]
+    else:  # and Wan 2.2's low-noise expert's, where --wan_expert both wrote one
+        files = [lora_dir / LORA_WEIGHTS_NAME, *lora_dir.glob(f"{EXPERT_2_DIR}/{LORA_WEIGHTS_NAME}")]
     for path in files:
         try:
             with safe_open(str(path), "pt") as f:

@@ -10,12 +10,13 @@ uncond + s (text - uncond), on when guidance_scale > 1), its step and its decode
 latents_mean, then the VAE). The frames come out as (B, T, 3, H, W) in [0, 1]: the reward contract's video.
 
 Wan 2.2 (A14B) has two experts: `transformer` denoises the steps with timestep >= boundary_ratio * 1000 (high noise),
-`transformer_2` the others, each with its guidance scale (`guidance_scale_2`, default the first's). The trainers
-train one network: `train_expert` chooses which expert holds the LoRA ("transformer", default, or
-"transformer_2"); the other runs frozen at its steps, whose loss terms then have a zero gradient (linked to the
-trained network by 0 x one of its weights, so that every training step has a graph). A LoRA of `transformer_2`
-loads into the stock pipeline with `load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one timestep per
-video token, as its pipeline builds them.
+`transformer_2` the others, each with its guidance scale (`guidance_scale_2`, default the first's). `train_expert`
+chooses what the trainers adapt: one expert ("transformer", default, or "transformer_2"; the other runs frozen at
+its steps, whose loss terms then have a zero gradient, linked to the trained network by 0 x one of its weights, so
+that every training step has a graph), or "both": the two as one module (`wan_experts.WanExperts`), a LoRA on
+each, every step's loss reaching the expert that ran it. A LoRA of `transformer_2` loads into the stock pipeline
+with `load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one
+timestep per video token, as its pipeline builds them.
 
 Sampler. The real folders carry a `UniPCMultistepScheduler` with `flow_shift`; the kit samples with the
 flow-matching Euler sampler (its log-prob step is Flow-GRPO's), built with `shift` = that `flow_shift`. The flow maths
@@ -24,6 +25,7 @@ flow-matching Euler sampler (its log-prob step is Flow-GRPO's), built with `shif
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -35,6 +37,7 @@ from refl_ddpo.core.steps.flow_sde import step_sigmas
 
 DEFAULT_NUM_FRAMES = 81  # WanPipeline.__call__'s num_frames
 EXPERTS = ("transformer", "transformer_2")
+BOTH = "both"  # --wan_expert both: a LoRA on each expert (wan_experts.WanExperts)
 
 
 class Wan(StableDiffusion3):
@@ -56,15 +59,27 @@ class Wan(StableDiffusion3):
         super().__init__(pipe)
         self.num_frames = DEFAULT_NUM_FRAMES
         self.guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert; None: guidance_scale
+        self.experts = None  # --wan_expert both: the pair the trainers adapt (train_expert), else None
         if type(pipe.scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
             pipe.scheduler = self.scheduler("FlowMatchEulerDiscreteScheduler")
 
     def train_expert(self, expert: str) -> None:
-        """Make `expert` ("transformer" or "transformer_2") the network the trainers adapt (`network`)."""
-        if expert not in EXPERTS or getattr(self.pipe, expert, None) is None:
-            have = [e for e in EXPERTS if getattr(self.pipe, e, None) is not None]
+        """Make `expert` ("transformer", "transformer_2", or "both": the pair as one module) the network the
+        trainers adapt (`network`)."""
+        have = [e for e in EXPERTS if getattr(self.pipe, e, None) is not None]
+        if expert not in (*EXPERTS, BOTH) or not set(EXPERTS if expert == BOTH else [expert]) <= set(have):
             raise UserError(f"--wan_expert {expert}: this Wan model has {', '.join(have)}.")
+        if expert == BOTH:
+            from refl_ddpo.core.families.wan_experts import WanExperts
+
+            self.experts = WanExperts(self.pipe.transformer, self.pipe.transformer_2)
+            expert = "transformer"  # network_name: the high-noise expert, whose config the pair shows
         self.network_name = expert
+
+    @property
+    def network(self) -> torch.nn.Module:
+        """The trained network: one expert, or the pair under --wan_expert both."""
+        return self.experts if self.experts is not None else getattr(self.pipe, self.network_name)
 
     def scheduler(self, kind: str):
         """As the base class; the flow-matching Euler sampler from a UniPC config takes its `flow_shift` as shift."""
@@ -137,8 +152,9 @@ class Wan(StableDiffusion3):
     ) -> torch.Tensor:
         """Velocity (B, 16, T, h, w) in the network's dtype. Each sample's expert by its timestep (Wan 2.2: the
         high-noise `transformer` at t >= boundary, else `transformer_2` with `guidance_scale_2`); `network` stands in
-        for the trained expert. CFG as the pipeline: two calls, uncond + s (text - uncond), when guidance_scale > 1
-        and `uncond` is given. `timesteps` is a scalar or one per sample (B,)."""
+        for the trained expert (--wan_expert both: the pair, called with the expert's name). CFG as the pipeline:
+        two calls, uncond + s (text - uncond), when guidance_scale > 1 and `uncond` is given. `timesteps` is a
+        scalar or one per sample (B,)."""
         t = timesteps.expand(latents.shape[0]) if timesteps.ndim == 0 else timesteps
         boundary = self.boundary(scheduler)
         if boundary is None:
@@ -166,14 +182,19 @@ class Wan(StableDiffusion3):
 
     def _expert_call(self, expert, network, latents, t, cond, uncond, guidance_scale):
         """One expert's (guided) velocity, as the pipeline's loop body calls it."""
-        net = network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
-        x, t, extra = self.network_inputs(net, latents, t, cond)
+        if network is not None and self.experts is not None:  # both trained: through the (wrapped) pair
+            net = functools.partial(network, expert)
+        else:
+            net = (
+                network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
+            )
+        x, t, extra = self.network_inputs(getattr(self.pipe, expert), latents, t, cond)
         kw = {"hidden_states": x, "timestep": t, "return_dict": False, **extra}
         v = net(encoder_hidden_states=cond["prompt_embeds"], **kw)[0]
         if guidance_scale > 1.0 and uncond is not None:
             v_uncond = net(encoder_hidden_states=uncond["prompt_embeds"], **kw)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
-        if network is not None and net is not network and torch.is_grad_enabled():
+        if self.experts is None and network is not None and net is not network and torch.is_grad_enabled():
             # the frozen expert's steps: a loss with a (zero) gradient, as the others
             v = v + _zero_from(network)
         return v
