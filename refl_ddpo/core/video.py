@@ -54,6 +54,18 @@ def check_num_frames(name: str, num_frames: int) -> None:
         )
 
 
+def check_wan_expert(model: str, expert: str | None) -> None:
+    """--wan_expert transformer_2 or both needs a Wan 2.2 (A14B) folder, whose model_index.json names a second
+    expert `transformer_2`: a one-line UserError otherwise."""
+    from refl_ddpo.core.models import model_index
+
+    if expert in ("transformer_2", "both") and not (model_index(model).get("transformer_2") or [None])[0]:
+        raise UserError(
+            f"--wan_expert {expert}: {model} has one expert (transformer; Wan 2.2 A14B has a second, transformer_2): "
+            "leave --wan_expert at transformer."
+        )
+
+
 def check_video_flags(model: str, num_frames: int | None, **image_flags) -> None:
     """--num_frames fits the model (a frame count its VAE takes), and it and the other video-only flags
     `image_flags` (name -> value, None or the default when unset) are unset for an image model; one-line
@@ -65,6 +77,7 @@ def check_video_flags(model: str, num_frames: int | None, **image_flags) -> None
     if pipeline_class_name(model) in VIDEO_PIPELINES:
         if num_frames is not None:
             check_num_frames(model, num_frames)
+        check_wan_expert(model, image_flags.get("wan_expert"))
         return
     for flag, value in {"num_frames": num_frames, **image_flags}.items():
         if value is not None:

@@ -156,6 +156,12 @@ def check_video(cfg: CommonConfig) -> None:
 
     parse_reduction(cfg.video_reduction)
     expert = None if cfg.wan_expert == "transformer" else cfg.wan_expert
+    if expert == "both" and (cfg.fsdp or cfg.deepspeed_zero or not cfg.use_lora):
+        flag = "--fsdp" if cfg.fsdp else "--deepspeed_zero" if cfg.deepspeed_zero else "--no-use_lora"
+        raise UserError(
+            f"--wan_expert both trains a LoRA on each expert, on one process or several (DDP); {flag} is not "
+            "supported with it: drop it, or train one expert (--wan_expert transformer or transformer_2)."
+        )
     check_video_flags(cfg.pretrained_model, cfg.num_frames, wan_expert=expert)
 
 

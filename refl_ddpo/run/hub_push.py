@@ -18,12 +18,12 @@ from refl_ddpo.run.hub import _hub_error, _hub_failures
 
 def push_patterns(out_dir: Path, run_id: str | None = None) -> list[str]:
     """What of a finished output folder goes to the hub (see the module doc); the checkpoint of run `run_id`."""
-    from refl_ddpo.core.lora import CONFIG_NAME, FULL_UNET_DIR, LORA_WEIGHTS_NAME
+    from refl_ddpo.core.lora import CONFIG_NAME, EXPERT_2_DIR, FULL_UNET_DIR, LORA_WEIGHTS_NAME
     from refl_ddpo.run.model_card import CARD_NAME
     from refl_ddpo.run.runs import list_checkpoints
     from refl_ddpo.run.validation import VALIDATION_DIR, validation_files
 
-    patterns = [LORA_WEIGHTS_NAME, f"{FULL_UNET_DIR}/*", CONFIG_NAME, CARD_NAME]
+    patterns = [LORA_WEIGHTS_NAME, f"{FULL_UNET_DIR}/*", f"{EXPERT_2_DIR}/*", CONFIG_NAME, CARD_NAME]
     records = validation_files(out_dir)
     if records:
         patterns.append(f"{VALIDATION_DIR}/{records[-1]['grid']}")

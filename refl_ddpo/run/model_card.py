@@ -213,7 +213,8 @@ def model_card(
 
     lines += _validation_section(records, validation.prompts_file)
     lines += list(notes)
-    lines += _usage_section(validation, records, lora, base, where, network_class, network_name)
+    expert = config.get("wan_expert") if family_name == "wan" else None  # Wan 2.2: the expert(s) with a LoRA
+    lines += _usage_section(validation, records, lora, base, where, network_class, network_name, expert)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
 
@@ -289,8 +290,10 @@ def _usage_section(
     where: str,
     network_class: str,
     network_name: str,
+    expert: str | None = None,
 ):
-    """Loading the weights with diffusers, and the inference script's command that draws the validation again."""
+    """Loading the weights with diffusers (`expert`: the Wan 2.2 expert(s) the LoRA is on), and the inference
+    script's command that draws the validation again."""
     lines: list[str] = []
     example = records[-1]["records"][0]["prompt"] if records else "a photo of a cat"
     steps = validation.num_steps
@@ -308,6 +311,13 @@ def _usage_section(
             f'pipe = DiffusionPipeline.from_pretrained("{base}")',
             f'pipe.load_lora_weights("{where}")',
         ]
+        if expert == "transformer_2":
+            lines[-1] = f'pipe.load_lora_weights("{where}", load_into_transformer_2=True)'
+        elif (
+            expert == "both"
+        ):  # the low-noise expert's in transformer_2/ (refl_ddpo.core.families.wan_experts)
+            kw = 'subfolder="transformer_2", load_into_transformer_2=True'
+            lines.append(f'pipe.load_lora_weights("{where}", {kw})')
     else:
         lines[-2] = f"from diffusers import DiffusionPipeline, {network_class}"
         lines += [

@@ -128,10 +128,11 @@ class SamplerPart:
         None,
         "Video models (Wan): frames per video, 1 + 4 k for Wan's VAE (e.g. 17, 33, 81); default: the pipeline's 81.",
     )
-    wan_expert: Literal["transformer", "transformer_2"] = field_(
+    wan_expert: Literal["transformer", "transformer_2", "both"] = field_(
         "transformer",
         "Wan 2.2 (two experts): the expert that gets the LoRA, transformer (high noise, t >= boundary_ratio x 1000) "
-        "or transformer_2 (low noise); the other runs frozen.",
+        "or transformer_2 (low noise), the other running frozen; or both: a LoRA on each, trained together (the "
+        "low-noise one saved in transformer_2/).",
     )
     video_reduction: str = field_(
         "mean",

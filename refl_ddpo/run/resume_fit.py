@@ -28,6 +28,8 @@ def settings(cfg) -> dict:
             lora_alpha=cfg.resolved_lora_alpha,
             lora_target_modules=sorted(cfg.lora_target_modules),
         )
+    if cfg.wan_expert != "transformer":  # Wan 2.2: which expert(s) the LoRA is on (absent: the default)
+        settings["wan_expert"] = cfg.wan_expert
     return settings
 
 
@@ -48,6 +50,9 @@ def check_resume_fits(
             continue  # the model's native one: compared after loading (check_resumed_resolution)
         if name in saved and saved[name] != ours[name]:
             raise UserError(_mismatch(where, name, ours[name], saved[name]))
+    expert = saved.get("wan_expert", "transformer")  # Wan 2.2: the expert(s) the checkpoint's LoRA is on
+    if expert != cfg.wan_expert:
+        raise UserError(_mismatch(where, "wan_expert", cfg.wan_expert, expert))
     if record.get("num_processes", 1) != num_processes:
         raise UserError(
             f"{where} was written by {record.get('num_processes')} process(es), this run has {num_processes}; "

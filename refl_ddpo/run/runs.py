@@ -39,7 +39,8 @@ from refl_ddpo.run.resume_fit import check_resume_fits
 
 RUN_FILE = "run.json"  # output_dir/run.json: the run the folder belongs to
 MARKER = "checkpoint.json"  # checkpoint-N/checkpoint.json: written last, the checkpoint is complete
-FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet")  # session.finish_run writes these
+# session.finish_run writes these (transformer_2/: Wan 2.2's low-noise expert's LoRA, --wan_expert both)
+FINAL_FILES = ("config.json", "pytorch_lora_weights.safetensors", "unet", "transformer_2")
 BEST_DIR = (
     "best"  # output_dir/best/: the best weights so far (refl_ddpo.run.guard), config.json, grid, best.json
 )

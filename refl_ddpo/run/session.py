@@ -108,24 +108,10 @@ def validation_spec(cfg: CommonConfig) -> ValidationSpec:
     )
 
 
-def zero_config(cfg: CommonConfig, accumulation: int) -> dict | None:
-    """The DeepSpeed config of --deepspeed_zero (refl_ddpo.run.zero), or None without it."""
-    if cfg.deepspeed_zero is None:
-        return None
-    from refl_ddpo.run.zero import deepspeed_config
-
-    return deepspeed_config(
-        cfg.deepspeed_zero,
-        micro_batch=cfg.train_batch_size,
-        accumulation=accumulation,
-        max_grad_norm=cfg.max_grad_norm,
-        mixed_precision=cfg.mixed_precision,
-    )
-
-
 def open_accelerator(cfg: CommonConfig, accumulation: int):
     """accelerate's Accelerator for `accumulation` backward passes per optimizer step on one process."""
     from refl_ddpo.run.training import make_accelerator
+    from refl_ddpo.run.zero import zero_config
 
     return make_accelerator(
         accumulation,
@@ -138,6 +124,7 @@ def open_accelerator(cfg: CommonConfig, accumulation: int):
         fsdp=cfg.fsdp,
         fsdp_cpu_offload=cfg.fsdp_cpu_offload,
         deepspeed=zero_config(cfg, accumulation),
+        find_unused_parameters=cfg.wan_expert == "both",  # DDP: a step that ran one of Wan 2.2's two experts
     )
 
 

@@ -109,12 +109,15 @@ def make_accelerator(
     fsdp: bool = False,
     fsdp_cpu_offload: bool = False,
     deepspeed: dict | None = None,
+    find_unused_parameters: bool = False,
 ):
     """The run's Accelerator: `mixed_precision` ("no", "fp16", "bf16"), the trackers of `report_to` (a --report_to
     choice) logging under output_dir/logging_dir, on `device` ("cpu", "cuda"; None: accelerate's choice), TF32
     matmuls on CUDA if `allow_tf32`; `fsdp`: the network that `prepare` gets is sharded with FSDP2
     (refl_ddpo.core.sharding), its shards on the CPU between uses with `fsdp_cpu_offload`; `deepspeed`: a DeepSpeed config
-    (refl_ddpo.run.zero.deepspeed_config) for accelerate's DeepSpeed plugin, the network run in DeepSpeed's engine."""
+    (refl_ddpo.run.zero.deepspeed_config) for accelerate's DeepSpeed plugin, the network run in DeepSpeed's engine;
+    `find_unused_parameters`: DDP finds the trained tensors a backward did not reach (Wan 2.2's two experts trained
+    together: each step runs one), which then keep no gradient, as on one process."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -136,6 +139,10 @@ def make_accelerator(
     release_fsdp_state()  # an earlier --fsdp run in this process
     AcceleratorState._reset_state()
     handlers, ds_plugin = [], None
+    if find_unused_parameters:
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     if deepspeed is not None:
         from accelerate.utils import InitProcessGroupKwargs
 

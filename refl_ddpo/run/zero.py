@@ -195,3 +195,17 @@ def load_state(accelerator, folder: Path) -> None:
         setattr(engine, k, v)
     for k, v in saved["loss_scaler"].items():
         setattr(zero.loss_scaler, k, v)
+
+
+def zero_config(cfg, accumulation: int) -> dict | None:
+    """The DeepSpeed config of --deepspeed_zero for a run's config `cfg` with `accumulation` micro-batches per
+    optimizer step (`deepspeed_config`), or None without it."""
+    if cfg.deepspeed_zero is None:
+        return None
+    return deepspeed_config(
+        cfg.deepspeed_zero,
+        micro_batch=cfg.train_batch_size,
+        accumulation=accumulation,
+        max_grad_norm=cfg.max_grad_norm,
+        mixed_precision=cfg.mixed_precision,
+    )
