@@ -162,7 +162,7 @@ def test_refl_on_two_of_five_frames_and_the_temporal_term(tiny_models, tmp_path,
 
 
 def test_flow_factory_wan22_preset_trains_on_the_tiny_wan22(tiny_models, tmp_path, capsys, monkeypatch):
-    """The Wan preset (Flow-Factory's LoRA example, the high-noise expert) scaled down to the tiny Wan 2.2: one group
+    """The Wan preset (Flow-Factory's LoRA example, a LoRA on each expert) scaled down to the tiny Wan 2.2: one group
     of 2, JPEG size as reward, one epoch, CPU precision; its 5 frames, 10 steps, CFG 5 and a 1-step SDE window."""
     from helpers import train_preset_small
 
