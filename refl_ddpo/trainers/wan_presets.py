@@ -2,7 +2,8 @@
 text-to-video (examples/grpo/lora/wan21/t2v.yaml), scaled to one GPU as its FLUX.2 presets are
 (`flux2_presets.FLOW_FACTORY_GRPO`: one group of 16 per epoch in 4 batches of 4, LoRA r 64 / alpha 128, bf16).
 
-Their example trains Wan2.1-T2V-14B (or Wan2.2-T2V-A14B's high-noise `transformer`, their `target_components`) at
+Their example trains Wan2.1-T2V-14B (and their examples/grpo/lora/wan22/t2v.yaml both experts of Wan2.2-T2V-A14B,
+`target_components: ['transformer', 'transformer_2']` bundled into one prepared module, as --wan_expert both) at
 256 px and 5 frames, 10 steps with CFG 5, noise level 0.9 in one SDE step drawn from steps 1-3 (the kit's window
 start from 0-3), CLIP score and PickScore weighted 1 : 0.5 with GDPO's per-reward advantages, lr 1e-4, no KL; they
 evaluate at 480 px and 13 frames with 28 steps, the kit at the training size. Their weight EMA (decay 0.9 every 4
@@ -13,7 +14,7 @@ Their image-to-video example for Wan 2.1 (examples/grpo/lora/wan21/i2v.yaml) is 
 first frames given by --edit_data (their dataset's images and prompts): the same sampler and optimiser at 240 px, with
 PickScore alone (their "gdpo" with one reward is the plain group normalisation); they evaluate at 480 px with 28
 steps, and the kit's validation has no first frames to draw from (refused for I2V). Their Wan 2.2 I2V example trains
-both experts at once, which `--wan_expert` does not offer here.
+both experts at once (`--wan_expert both`; no preset for it here).
 """
 
 from __future__ import annotations
@@ -47,13 +48,13 @@ WAN_GRPO_PRESETS: dict[str, dict[str, Any]] = {
         "reward_aggregation": "sum",
         "resolution": 240,
     },
-    # Wan 2.2 A14B: the LoRA on its high-noise expert (their target_components 'transformer'), the SDE step kept
-    # among that expert's steps: at shift 3, t >= 875 holds for steps 0-2 of 10 (t 1000, 960, 913; step 3 is 858),
-    # so the window starts at 0-2 (a step of the frozen expert would train nothing)
+    # Wan 2.2 A14B: a LoRA on each expert, as their wan22/t2v.yaml (target_components both): at shift 3 the window's
+    # steps 0-2 of 10 (t 1000, 960, 913 >= 875) train the high-noise expert, step 3 (t 858) the low-noise one. Their
+    # Wan 2.2 example's other settings (CFG 4 and 3 for the two experts, PickScore alone, 480 px) are not taken: the
+    # kit's trainers sample both experts at one guidance scale.
     "flow_factory_wan22": {
         **_WAN_T2V,
         "pretrained_model": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-        "wan_expert": "transformer",
-        "train_skip_last_steps": 7,
+        "wan_expert": "both",
     },
 }
