@@ -233,11 +233,13 @@ def load_lora_into_pipeline(
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity(diffusers_logging.CRITICAL)
     # (the network it goes into, the file's subfolder, the loader's arguments)
-    into_2 = ("transformer_2", "", {"load_into_transformer_2": True})
-    both = [("transformer", "", {}), ("transformer_2", EXPERT_2_DIR, into_2[2])]
-    default = ("unet" if hasattr(pipe, "unet") else "transformer", "", {})
+    to_2 = {"load_into_transformer_2": True}
+    loads = {
+        "transformer_2": [("transformer_2", "", to_2)],
+        "both": [("transformer", "", {}), ("transformer_2", EXPERT_2_DIR, to_2)],
+    }.get(expert or "", [("unet" if hasattr(pipe, "unet") else "transformer", "", {})])
     try:
-        for name, folder, kwargs in {"transformer_2": [into_2], "both": both}.get(expert or "", [default]):
+        for name, folder, kwargs in loads:
             _load_one_lora(pipe, lora_dir, folder, kwargs)
             network = getattr(pipe, name)
             _check_all_unet_keys_loaded(network, lora_dir / folder)
