@@ -213,7 +213,8 @@ def model_card(
 
     lines += _validation_section(records, validation.prompts_file)
     lines += list(notes)
-    expert = config.get("wan_expert") if family_name == "wan" else None  # Wan 2.2: the expert(s) with a LoRA
+    # Wan 2.2 (text- or image-to-video): the expert(s) the LoRA is on
+    expert = config.get("wan_expert") if family_name.startswith("wan") else None
     lines += _usage_section(validation, records, lora, base, where, network_class, network_name, expert)
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
 
@@ -313,9 +314,7 @@ def _usage_section(
         ]
         if expert == "transformer_2":
             lines[-1] = f'pipe.load_lora_weights("{where}", load_into_transformer_2=True)'
-        elif (
-            expert == "both"
-        ):  # the low-noise expert's in transformer_2/ (refl_ddpo.core.families.wan_experts)
+        elif expert == "both":  # the low-noise expert's in transformer_2/ (core.families.wan_experts)
             kw = 'subfolder="transformer_2", load_into_transformer_2=True'
             lines.append(f'pipe.load_lora_weights("{where}", {kw})')
     else:
