@@ -93,7 +93,7 @@ def test_health_and_wire_format(served):
     spec, url = served
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
         health = json.loads(r.read())
-    assert health == {"status": "ok", "reward": spec, "differentiable": False}
+    assert health == {"status": "ok", "reward": spec, "differentiable": False, "video": False}
     # a client of its own (curl, another language) may send PNGs
     import base64
     import io
