@@ -8,7 +8,8 @@ DDPO / GRPO: epochs) and after its last:
                              FLUX.1), --validation_num_steps steps, CFG --validation_guidance_scale (FLUX.1-dev:
                              its embedded guidance) (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
-                             each part), logged to every tracker with a captioned grid `validation/images`; and
+                             each part), logged to every tracker with a captioned grid `validation/images` (videos:
+                             of their first frames, and the grid animated, `validation/videos`); and
                              --validation_reward's, rewards never trained on, beside them (refl_ddpo.run.guard)
     drift                    `validation/drift/<name>` (refl_ddpo.run.drift): brightness, saturation, the change
                              from the baseline's images, the diversity across a prompt's seeds, the trained
@@ -34,6 +35,8 @@ import torch
 
 VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
 GRID_TAG = "validation/images"
+VIDEO_TAG = "validation/videos"  # videos: the grid of each frame in turn, animated
+VIDEO_FPS = 16  # Wan's frames per second (inference's --fps default)
 VALIDATION_TOTAL = (
     "validation_reward"  # a weighted --validation_reward's total: validation/validation_reward/...
 )
@@ -200,9 +203,9 @@ class Validator:
         from tqdm.auto import tqdm
 
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.run.outputs import log_grid
+        from refl_ddpo.run.outputs import log_grid, log_video
 
-        images_all, rewards_all, parts = self.draw_and_score()
+        images_all, rewards_all, parts, videos = self.draw_and_score()
         norm = self.trained_norm()
         stats = reward_stats(self.reward_spec, rewards_all, parts)
         metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
@@ -213,6 +216,9 @@ class Validator:
         records = self.write(name, count, metrics, drift, grid, rewards_all)
         self.accelerator.log({**metrics, **drift, f"validation/{self.unit}": count}, step=log_step)
         log_grid(self.accelerator, GRID_TAG, grid, log_step)
+        if videos is not None and self.accelerator.trackers:
+            frames = torch.stack([self.grid(v.float() / 255, rewards_all) for v in videos.unbind(1)])
+            log_video(self.accelerator, VIDEO_TAG, frames, VIDEO_FPS, log_step)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
         tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
         return ValidationResult(
@@ -296,16 +302,17 @@ class Validator:
             "guidance_scale": self.guidance_scale,
         }
 
-    def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def draw_and_score(self) -> tuple:
         """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
-        in [0, 1], rewards (N,), the reward's per-image parts), all on the CPU; the network's mode restored."""
+        in [0, 1] (videos: their first frames), rewards (N,), the reward's per-image parts, the videos whole
+        (N, T, 3, H, W) uint8 or None), all on the CPU; the network's mode restored."""
         from refl_ddpo.core.edit_data import with_source_images
         from refl_ddpo.core.generate import generate_batch
 
         network = self.family.network
         was_training = network.training
         network.eval()
-        images, rewards, parts = [], [], {}
+        images, rewards, parts, videos = [], [], {}, []
         try:
             for start in range(0, len(self.specs), self.batch_size):
                 batch = self.specs[start : start + self.batch_size]
@@ -327,13 +334,16 @@ class Validator:
                     r, info = self.reward(pixels, prompts, [dict(m) for m in metadata])
                     info = {**info, **self.score(pixels, prompts, [dict(m) for m in metadata])}
                 images.append((pixels[:, 0] if pixels.ndim == 5 else pixels).float().cpu())  # videos: frame 0
+                if pixels.ndim == 5:
+                    videos.append((pixels.float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
                     if isinstance(value, torch.Tensor) and value.shape == r.shape:
                         parts.setdefault(name, []).append(value.detach().float().cpu())
         finally:
             network.train(was_training)
-        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
+        parts = {k: torch.cat(v) for k, v in parts.items()}
+        return torch.cat(images), torch.cat(rewards), parts, torch.cat(videos) if videos else None
 
     def score(
         self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict]
