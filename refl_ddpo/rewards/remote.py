@@ -257,7 +257,7 @@ class RemoteReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         import torch
 
-        step = max(1, REQUEST_BYTES // max(1, images[0].numel() * 4))
+        step = max(1, REQUEST_BYTES // max(1, images[:1].numel() * 4))
         if len(images) <= step:
             return self._score(images, prompts, metadata)
         parts = [
@@ -266,7 +266,7 @@ class RemoteReward:
         ]
         info = {  # per-sample values joined; a scalar described one request only, so it is left out
             key: torch.cat([p[1][key] for p in parts])
-            for key, value in parts[0][1].items()
+            for key in parts[0][1]
             if all(key in p[1] and p[1][key].ndim == 1 for p in parts)
         }
         return torch.cat([p[0] for p in parts]), info
