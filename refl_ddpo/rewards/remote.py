@@ -59,9 +59,8 @@ TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU
 RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers
 BACKOFF_S = 0.5  # waits 0.5, 1, 2 s between attempts
 MAX_ERROR_CHARS = 300
-REQUEST_BYTES = (
-    512 << 20
-)  # a batch's pixels (float32) per request, at least one image or video: 683 MiB in base64
+MAX_BODY_BYTES = 1 << 30  # the server's limit on a request, 1 GiB: 64 float32 images at 1024 px are 800 MB
+REQUEST_BYTES = 512 << 20  # a batch's float32 pixels per request (683 MiB in base64), at least one sample
 
 
 # ---- wire format ----
@@ -258,6 +257,12 @@ class RemoteReward:
         import torch
 
         step = max(1, REQUEST_BYTES // max(1, images[:1].numel() * 4))
+        if 4 * math.ceil(images[:1].numel() * 4 / 3) > MAX_BODY_BYTES:  # one image or video, in base64
+            raise UserError(
+                f"{self._where()}: one sample of shape {tuple(images.shape[1:])} is over the server's "
+                f"{MAX_BODY_BYTES >> 20} MiB request in base64; score fewer frames (--video_reduction mean:K for "
+                "an image reward) or a smaller --resolution."
+            )
         if len(images) <= step:
             return self._score(images, prompts, metadata)
         parts = [

@@ -35,9 +35,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from refl_ddpo.core.errors import UserError, cli_main
+from refl_ddpo.rewards.remote import MAX_BODY_BYTES
 from refl_ddpo.rewards.serve_workers import RewardWorker, WorkerSettings, resolve_python
 
-MAX_BODY_BYTES = 1 << 30  # 1 GiB: a batch of 64 float32 images at 1024 px is 800 MB
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
