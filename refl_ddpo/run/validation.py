@@ -217,8 +217,7 @@ class Validator:
         self.accelerator.log({**metrics, **drift, f"validation/{self.unit}": count}, step=log_step)
         log_grid(self.accelerator, GRID_TAG, grid, log_step)
         if videos is not None and self.accelerator.trackers:
-            frames = torch.stack([self.grid(v.float() / 255, rewards_all) for v in videos.unbind(1)])
-            log_video(self.accelerator, VIDEO_TAG, frames, VIDEO_FPS, log_step)
+            log_video(self.accelerator, VIDEO_TAG, self.grid(videos, rewards_all), VIDEO_FPS, log_step)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
         tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
         return ValidationResult(
@@ -360,14 +359,15 @@ class Validator:
         return out
 
     def grid(self, images_all: torch.Tensor, rewards_all: torch.Tensor) -> torch.Tensor:
-        """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt."""
-        from refl_ddpo.core.images import caption_grid, fmt_score
+        """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt (videos: one a frame)."""
+        from refl_ddpo.core.images import caption_grid, caption_video_grid, fmt_score
 
         captions = [
             f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
             for s, r in zip(self.specs, rewards_all, strict=True)
         ]
-        return caption_grid(images_all, captions, cols=self.grid_cols)
+        grid_fn = caption_video_grid if images_all.ndim == 5 else caption_grid
+        return grid_fn(images_all, captions, cols=self.grid_cols)
 
     def write(
         self,
