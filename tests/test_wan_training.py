@@ -254,6 +254,6 @@ def test_draft_and_alignprop_on_two_of_five_frames(
     scalars, videos = _event_scalars_and_videos(out)
     assert len(scalars["refl/loss"]) == 2 and all(math.isfinite(v) for v in scalars["refl/loss"])
     if backprop_steps == "2":
-        assert [(s, n) for s, n, _ in videos["validation/videos"]] == [(0, FRAMES), (2, FRAMES)], videos
+        assert videos["validation/videos"] == [(0, FRAMES, "GIF"), (2, FRAMES, "GIF")], videos
         (run,) = (out / "logs" / "wandb").glob("offline-run-*")
         assert len(list((run / "files" / "media" / "videos").rglob("*.gif"))) == 2
