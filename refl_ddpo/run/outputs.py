@@ -61,7 +61,10 @@ def gif_bytes(frames: torch.Tensor, fps: int) -> bytes:
     return out.getvalue()
 
 
-def log_video(accelerator, tag: str, frames: torch.Tensor, fps: int, step: int) -> None:
+VIDEO_FPS = 16  # Wan's frames per second (inference's --fps default)
+
+
+def log_video(accelerator, tag: str, frames: torch.Tensor, step: int, fps: int = VIDEO_FPS) -> None:
     """A video, frames (T, 3, H, W) uint8, to every tracker (main process only) as an animated GIF."""
     if not accelerator.is_main_process or not accelerator.trackers:
         return

@@ -8,8 +8,7 @@ DDPO / GRPO: epochs) and after its last:
                              FLUX.1), --validation_num_steps steps, CFG --validation_guidance_scale (FLUX.1-dev:
                              its embedded guidance) (`generate_batch`)
     scores                   the training reward(s), `validation/<reward>/mean|std` (a weighted sum: `total` and
-                             each part), logged to every tracker with a captioned grid `validation/images` (videos:
-                             of their first frames, and the grid animated, `validation/videos`); and
+                             each part), logged to every tracker with a captioned grid `validation/images`; and
                              --validation_reward's, rewards never trained on, beside them (refl_ddpo.run.guard)
     drift                    `validation/drift/<name>` (refl_ddpo.run.drift): brightness, saturation, the change
                              from the baseline's images, the diversity across a prompt's seeds, the trained
@@ -35,11 +34,9 @@ import torch
 
 VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
 GRID_TAG = "validation/images"
-VIDEO_TAG = "validation/videos"  # videos: the grid of each frame in turn, animated
-VIDEO_FPS = 16  # Wan's frames per second (inference's --fps default)
-VALIDATION_TOTAL = (
-    "validation_reward"  # a weighted --validation_reward's total: validation/validation_reward/...
-)
+VIDEO_TAG = "validation/videos"  # videos: also the grid of each frame in turn, animated (outputs.log_video)
+# a weighted --validation_reward's total: validation/validation_reward/...
+VALIDATION_TOTAL = "validation_reward"
 SCORED = "validation_reward/"  # --validation_reward's per-image scores among the parts draw_and_score returns
 
 
@@ -164,9 +161,8 @@ class Validator:
         # The family's first sampler is its deterministic inference one (DDIM / flow Euler), run with eta 0.
         self.scheduler_name = next(iter(family.schedulers.values()))
         self.scheduler = family.scheduler(self.scheduler_name)
-        self.grid_cols = self.per_prompt * math.ceil(
-            4 / self.per_prompt
-        )  # whole prompts per row, at least 4 wide
+        # whole prompts per row, at least 4 wide
+        self.grid_cols = self.per_prompt * math.ceil(4 / self.per_prompt)
         # the baseline validation's images as its grid shows them (N, 3, 256, 256) uint8: kept from count 0, or
         # read back from its files by a resumed run (None until then, or when they are not there)
         self.baseline_cells: torch.Tensor | None = None
@@ -216,8 +212,8 @@ class Validator:
         records = self.write(name, count, metrics, drift, grid, rewards_all)
         self.accelerator.log({**metrics, **drift, f"validation/{self.unit}": count}, step=log_step)
         log_grid(self.accelerator, GRID_TAG, grid, log_step)
-        if videos is not None and self.accelerator.trackers:
-            log_video(self.accelerator, VIDEO_TAG, self.grid(videos, rewards_all), VIDEO_FPS, log_step)
+        if videos and self.accelerator.trackers:
+            log_video(self.accelerator, VIDEO_TAG, self.grid(torch.cat(videos), rewards_all), log_step)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
         tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
         return ValidationResult(
@@ -303,8 +299,8 @@ class Validator:
 
     def draw_and_score(self) -> tuple:
         """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
-        in [0, 1] (videos: their first frames), rewards (N,), the reward's per-image parts, the videos whole
-        (N, T, 3, H, W) uint8 or None), all on the CPU; the network's mode restored."""
+        in [0, 1] (videos: frame 0), rewards (N,), its per-image parts, videos [(B, T, 3, H, W) uint8] or []), all
+        on the CPU; the network's mode restored."""
         from refl_ddpo.core.edit_data import with_source_images
         from refl_ddpo.core.generate import generate_batch
 
@@ -333,16 +329,14 @@ class Validator:
                     r, info = self.reward(pixels, prompts, [dict(m) for m in metadata])
                     info = {**info, **self.score(pixels, prompts, [dict(m) for m in metadata])}
                 images.append((pixels[:, 0] if pixels.ndim == 5 else pixels).float().cpu())  # videos: frame 0
-                if pixels.ndim == 5:
-                    videos.append((pixels.float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
+                videos += [pixels.float().mul(255).round().byte().cpu()] if pixels.ndim == 5 else []
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
                     if isinstance(value, torch.Tensor) and value.shape == r.shape:
                         parts.setdefault(name, []).append(value.detach().float().cpu())
         finally:
             network.train(was_training)
-        parts = {k: torch.cat(v) for k, v in parts.items()}
-        return torch.cat(images), torch.cat(rewards), parts, torch.cat(videos) if videos else None
+        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}, videos
 
     def score(
         self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict]
