@@ -93,7 +93,7 @@ def test_health_and_wire_format(served):
     spec, url = served
     with urllib.request.urlopen(url + "/health", timeout=10) as r:
         health = json.loads(r.read())
-    assert health == {"status": "ok", "reward": spec, "differentiable": False}
+    assert health == {"status": "ok", "reward": spec, "differentiable": False, "video": False}
     # a client of its own (curl, another language) may send PNGs
     import base64
     import io
@@ -356,3 +356,16 @@ def test_inference_imagereward_is_the_registry_and_remote_reward_on_the_saved_im
     }
     print("max |inference - reward|:", gaps)
     assert max(gaps.values()) <= 1e-6, (gaps, recorded, in_process)
+
+
+def test_a_sample_over_the_servers_request_limit_stops_before_it_is_sent(monkeypatch):
+    """A video too big for one request (here: the limit made tiny) is one line naming its shape and the fix, and no
+    request is made (nothing listens at the URL)."""
+    from refl_ddpo.rewards import remote
+
+    monkeypatch.setattr(remote, "MAX_BODY_BYTES", 1000)
+    client = remote.RemoteReward(f"http://127.0.0.1:{free_port()}", retries=0)
+    with pytest.raises(UserError) as e:
+        client(torch.rand(2, 5, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert "\n" not in str(e.value) and "one sample of shape (5, 3, 8, 8) is over" in str(e.value)
+    assert "--video_reduction mean:K" in str(e.value)

@@ -134,6 +134,7 @@ def service(tmp_path_factory):
     venv = venv_by_path(tmp_path_factory.mktemp("venv") / "jpeg-env")
     s = Service(
         "--reward", "jpeg=jpeg_compressibility", "--reward", "red=user_functions:slow_redness",
+        "--reward", "tc=temporal_consistency",
         "--python", f"jpeg={venv}", "--batch_window_ms", "300", "--max_batch_size", "16", "--max_restarts", "1",
     )  # fmt: skip
     s.venv = venv
@@ -265,7 +266,7 @@ def test_a_merged_batchs_info_is_split():
 
 def test_two_rewards_each_in_its_worker(service):
     code, health = service.health()
-    assert code == 200 and health["status"] == "ok" and set(health["rewards"]) == {"jpeg", "red"}
+    assert code == 200 and health["status"] == "ok" and set(health["rewards"]) == {"jpeg", "red", "tc"}
     jpeg, red = health["rewards"]["jpeg"], health["rewards"]["red"]
     assert jpeg["python"] == resolve_python(service.venv) and red["python"] == sys.executable
     assert jpeg["pid"] != red["pid"] and os.getpid() not in (jpeg["pid"], red["pid"])
@@ -279,12 +280,12 @@ def test_two_rewards_each_in_its_worker(service):
     assert torch.equal(got, -jpeg_size_kb(images))
     with pytest.raises(UserError) as e:  # two rewards: the client must name one
         build_reward(f"remote:{service.url}", "cpu", options=FAST)
-    assert "\n" not in str(e.value) and "serves several rewards (jpeg, red)" in str(e.value)
+    assert "\n" not in str(e.value) and "serves several rewards (jpeg, red, tc)" in str(e.value)
     assert f"remote:{service.url}/jpeg" in str(e.value)
     code, answer = post(service.url + "/score", images, prompts)
     assert code == 404 and "POST /NAME/score" in answer["error"]
     code, answer = get(service.url + "/nope/health")
-    assert code == 404 and "no reward 'nope' here" in answer["error"] and "jpeg, red" in answer["error"]
+    assert code == 404 and "no reward 'nope' here" in answer["error"] and "jpeg, red, tc" in answer["error"]
 
 
 def test_requests_within_the_window_are_one_call(service):
@@ -301,6 +302,34 @@ def test_requests_within_the_window_are_one_call(service):
     for x, (code, answer) in zip(batches, answers, strict=True):
         assert code == 200
         assert answer["rewards"] == pytest.approx(redness(x, [], [])[0].tolist(), abs=1e-6)
+
+
+def test_videos_go_whole_to_a_video_reward_and_as_frames_to_an_image_reward(service, monkeypatch):
+    """A served reward of videos (temporal_consistency) gets them whole and equals itself in process, also when
+    the client splits the batch into one request per video; a served image reward scores the frames that the
+    client's --video_reduction picks, as frames_reward in process; a 5-D POST to an image reward is a 400."""
+    from refl_ddpo.rewards import remote
+
+    videos = torch.rand(2, 5, 3, 8, 8, generator=torch.Generator().manual_seed(2))  # (B, T, 3, H, W)
+    prompts, metadata = ["a", "b"], [{}, {}]
+    assert service.health("tc")[1]["video"] is True and service.health("jpeg")[1]["video"] is False
+    tc = build_reward(f"remote:{service.url}/tc", "cpu")
+    expected = build_reward("temporal_consistency", "cpu")(videos, prompts, metadata)[0]
+    assert tc.video and (tc(videos, prompts, metadata)[0] - expected).abs().max() <= 1e-6
+    before = service.health("tc")[1]["requests"]
+    monkeypatch.setattr(remote, "REQUEST_BYTES", videos[0].numel() * 4)  # one video per request
+    assert (tc(videos, prompts, metadata)[0] - expected).abs().max() <= 1e-6
+    assert service.health("tc")[1]["requests"] - before == 2
+    jpeg = build_reward(f"remote:{service.url}/jpeg", "cpu", video_reduction="min:2")
+    expected = build_reward("jpeg_compressibility", "cpu", video_reduction="min:2")(
+        videos, prompts, metadata
+    )[0]
+    assert not jpeg.video and (jpeg(videos, prompts, metadata)[0] - expected).abs().max() <= 1e-6
+    code, answer = post(service.url + "/jpeg/score", videos, prompts)
+    assert code == 400 and "\n" not in answer["error"], answer
+    assert answer["error"].startswith(
+        "reward 'jpeg': jpeg_compressibility scores images [B, 3, H, W], not videos"
+    )
 
 
 def test_a_killed_worker_answers_its_reward_only(service):

@@ -78,3 +78,19 @@ def test_a_weighted_sum_on_videos_through_build_reward():
     jpeg = (-jpeg_size_kb(videos.flatten(0, 1))).reshape(2, 5).min(1).values
     torch.testing.assert_close(total, jpeg + 2 * torch.tensor([-(0.1**2), -(0.2**2)]))
     torch.testing.assert_close(info["jpeg_compressibility"], jpeg)
+
+
+def last_minus_first(videos, prompts, metadata):
+    """A user's reward of whole videos: the last frame's mean pixel minus the first's."""
+    return videos[:, -1].mean((1, 2, 3)) - videos[:, 0].mean((1, 2, 3)), {}
+
+
+last_minus_first.video = True
+
+
+def test_a_users_reward_of_whole_videos_gets_them_whole():
+    """`pkg.module:function` with `function.video = True` is not wrapped in frames_reward (the reward server serves
+    it so, e.g. a VideoAlign-style scorer); a user's image reward is."""
+    reward = build_reward("test_video_rewards:last_minus_first", "cpu")
+    assert reward.video and not build_reward("test_video_rewards:brightness", "cpu").video
+    assert torch.allclose(reward(_videos(), ["a", "b"], [{}, {}])[0], torch.tensor([0.4, 0.8]))

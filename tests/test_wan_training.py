@@ -5,6 +5,7 @@ by the stock WanPipeline's `load_lora_weights` changing its video (a LoRA of Wan
 buffers, on both models (Wan 2.2's steps cross its boundary, so both experts sample)."""
 
 import importlib
+import math
 import re
 
 import pytest
@@ -180,3 +181,79 @@ def test_flow_factory_wan22_preset_trains_on_the_tiny_wan22(tiny_models, tmp_pat
         resolution=RES,
     )
     assert_lora_changes_stock_video(tiny_models / "tiny-wan22", out, "transformer")
+
+
+# ---- DRaFT-K and AlignProp on video; validation videos in tensorboard and wandb ----
+
+
+def _event_scalars_and_videos(out) -> tuple[dict, dict]:
+    """The tensorboard events under `out`/logs: {tag: [values]} of the scalars, {tag: [(step, frames)]} of the
+    animated images (an image summary whose encoded bytes hold several frames)."""
+    import io
+
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars, videos = {}, {}
+    for f in out.glob("logs/**/events.out.tfevents.*"):
+        acc = EventAccumulator(str(f), size_guidance={"images": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
+        for tag in acc.Tags()["images"]:
+            for e in acc.Images(tag):
+                with Image.open(io.BytesIO(e.encoded_image_string)) as im:
+                    if getattr(im, "n_frames", 1) > 1:
+                        videos.setdefault(tag, []).append((e.step, im.n_frames, im.format))
+    return scalars, videos
+
+
+@pytest.mark.parametrize(
+    ("backprop_steps", "says"), [("2", "DRaFT-2"), ("random:1-3", "AlignProp (K in 1..3)")]
+)
+def test_draft_and_alignprop_on_two_of_five_frames(
+    backprop_steps, says, tiny_models, tmp_path, capsys, monkeypatch
+):
+    """DRaFT-K and AlignProp on video: two steps on the tiny Wan 2.1, the aesthetic score's gradient through 2 of
+    the 5 decoded frames (mean:2); the LoRA moved and no base weight, the loss finite. DRaFT's run also validates
+    with tensorboard and wandb (offline): each validation is an animated GIF of the 5 frames in tensorboard, and a
+    video among wandb's media."""
+    from refl_ddpo.trainers import refl
+
+    watch = watch_training(monkeypatch)
+    out = tmp_path / "out"
+    extra = {"report_to": "tensorboard"}
+    if backprop_steps == "2":
+        (tmp_path / "validation.txt").write_text("a cat\n")
+        extra = {"report_to": "all", "validation_prompts_file": tmp_path / "validation.txt"}
+        extra |= {"num_validation_images": 1, "validation_num_steps": 2}
+        for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            monkeypatch.setenv(key, str(tmp_path / key.lower()))
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
+    flags = trainer_flags(
+        tiny_models,
+        out,
+        model="tiny-wan21",
+        resolution=RES,
+        num_frames=FRAMES,
+        reward="aesthetic",
+        video_reduction="mean:2",
+        num_inference_steps=4,
+        backprop_steps=backprop_steps,
+        train_batch_size=2,
+        learning_rate="3e-2",
+        lora_init="random",
+        device="cpu",
+        max_train_steps=2,
+        **extra,
+    )
+    refl.main(flags)
+    assert says in capsys.readouterr().out
+    watch.assert_lora_moved_and_base_not(out)
+    scalars, videos = _event_scalars_and_videos(out)
+    assert len(scalars["refl/loss"]) == 2 and all(math.isfinite(v) for v in scalars["refl/loss"])
+    if backprop_steps == "2":
+        assert videos["validation/videos"] == [(0, FRAMES, "GIF"), (2, FRAMES, "GIF")], videos
+        (run,) = (out / "logs" / "wandb").glob("offline-run-*")
+        assert len(list((run / "files" / "media" / "videos").rglob("*.gif"))) == 2

@@ -120,6 +120,9 @@ class Reward:
     name: str
     fn: RewardFn
     differentiable: bool
+    video: bool = (
+        False  # it takes whole videos (B, T, 3, H, W): one of its parts has `.video` (else frames only)
+    )
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         return self.fn(images, prompts, metadata)
@@ -247,6 +250,7 @@ def _user_factory(ref: str) -> RewardFactory:
                 )
             return rewards.to(device=images.device, dtype=torch.float32), out[1]
 
+        reward_fn.video = getattr(fn, "video", False)  # a function of whole videos says so (rewards.video)
         return reward_fn
 
     return make
@@ -281,9 +285,10 @@ def build_reward(
         fn = factory(name)(device=device, dtype=dtype, model_dir=model_dir, **kwargs)
         built.append((name, w, fn if getattr(fn, "video", False) else frames_reward(fn, video_reduction)))
     differentiable = is_differentiable(spec)
+    video = any(getattr(fn, "video", False) for _, _, fn in built)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]
-        return Reward(name, fn, differentiable)
+        return Reward(name, fn, differentiable, video)
 
     def weighted(images, prompts, metadata):
         total, info = None, {}
@@ -294,7 +299,7 @@ def build_reward(
             total = w * r if total is None else total + w * r
         return total, info
 
-    return Reward(spec, weighted, differentiable)
+    return Reward(spec, weighted, differentiable, video)
 
 
 def count_nonfinite(rewards: torch.Tensor) -> int:

@@ -6,19 +6,30 @@ URL then reaches GET /NAME/health and POST /NAME/score); `remote:http://HOST:POR
 
 Wire format (JSON only, no pickle), shared with refl_ddpo.rewards.serve:
 
-    GET  /health  -> {"status": "ok", "reward": SPEC, "differentiable": bool} (several rewards: {"status",
-                     "rewards": {NAME: state}}); 503 with {"status", "error"} while a reward loads or is down
+    GET  /health  -> {"status": "ok", "reward": SPEC, "differentiable": bool, "video": bool} (several rewards:
+                     {"status", "rewards": {NAME: state}}); 503 with {"status", "error"} while a reward loads or
+                     is down
     POST /score   {"images": IMAGES, "prompts": [str] * B, "metadata": [dict] * B}
                   -> {"rewards": [float] * B, "info": {key: [float] * B or float}}
                   an error -> HTTP 4xx / 5xx with {"error": "one line"}
 
     IMAGES is {"encoding": "raw", "dtype": "float32" | "uint8", "shape": [B, 3, H, W], "data": base64 of the
-    C-order bytes} (float32 in [0, 1], or uint8 0..255), or {"encoding": "png", "data": [base64 PNG] * B}.
+    C-order bytes} (float32 in [0, 1], or uint8 0..255), or {"encoding": "png", "data": [base64 PNG] * B}; for
+    a reward of whole videos ("video": true) raw IMAGES may hold videos, shape [B, T, 3, H, W] (a reward of images
+    answers a 5-D request with a 400).
     An edit's source images (metadata "source_images", refl_ddpo.core.edit_data) travel in its metadata as IMAGES
     of shape [n, 3, H, W], its n references (`decode_images` reads them).
 
+Videos: a served reward whose function takes whole videos (`.video = True`, e.g. temporal_consistency or a
+VideoAlign-style scorer) says "video": true in /health; the client then takes videos itself (`reward_fn.video`), and
+sends them whole. A served image reward gets frames: `build_reward` wraps the client in `frames_reward`, so the
+trainer's --video_reduction picks the K frames and reduces their scores, and only those K frames per video travel
+(mean:2 sends 2 of 81), not every frame for the server to reduce by a rule it does not know.
+
 The client sends raw float32, so the server scores exactly the tensor the trainer holds: `remote:` equals the
-reward in process (tests/test_remote_reward.py checks it to 1e-4). Each batch is one request. Timeouts, a bounded
+reward in process (tests/test_remote_reward.py checks it to 1e-4). A batch is one request, or several of at most
+REQUEST_BYTES of pixels each (a batch of long videos: two of 81 frames at 832 x 480 are 776 MB), each under the
+server's 1 GiB body limit once in base64. Timeouts, a bounded
 number of retries with backoff on connection errors, timeouts and 5xx answers (a reward still loading, or its worker
 being started again, answers 503), and then a one-line UserError naming the URL and the reward when the server is
 down, slow, or answers something that is not the format above.
@@ -48,13 +59,16 @@ TIMEOUT_S = 120.0  # one request (scoring a batch with a big model on a busy GPU
 RETRIES = 3  # extra attempts after the first, on connection errors, timeouts and 5xx answers
 BACKOFF_S = 0.5  # waits 0.5, 1, 2 s between attempts
 MAX_ERROR_CHARS = 300
+MAX_BODY_BYTES = 1 << 30  # the server's limit on a request, 1 GiB: 64 float32 images at 1024 px are 800 MB
+REQUEST_BYTES = 512 << 20  # a batch's float32 pixels per request (683 MiB in base64), at least one sample
 
 
 # ---- wire format ----
 
 
 def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
-    """images [B, 3, H, W] in [0, 1] -> the JSON object of the wire format (raw bytes, base64)."""
+    """images [B, 3, H, W] (or videos [B, T, 3, H, W]) in [0, 1] -> the JSON object of the wire format (raw
+    bytes, base64)."""
     import torch
 
     x = images.detach().float().cpu()
@@ -67,14 +81,15 @@ def encode_images(images: torch.Tensor, dtype: str = "float32") -> dict:
 
 
 def decode_images(obj) -> torch.Tensor:
-    """The wire format's IMAGES -> float32 [B, 3, H, W] in [0, 1]; ValueError with one line for anything else."""
+    """The wire format's IMAGES -> float32 [B, 3, H, W] (raw: or [B, T, 3, H, W]) in [0, 1]; ValueError with one
+    line for anything else."""
     import torch
 
     return torch.from_numpy(decode_array(obj))
 
 
 def decode_array(obj) -> np.ndarray:
-    """decode_images as a numpy array (float32 [B, 3, H, W] in [0, 1], C-order)."""
+    """decode_images as a numpy array (float32 [B, 3, H, W] or [B, T, 3, H, W] in [0, 1], C-order)."""
     if not isinstance(obj, dict):
         raise ValueError("'images' must be an object with 'encoding' raw or png")  # noqa: TRY004 (a 400)
     encoding = obj.get("encoding", "raw")
@@ -105,11 +120,13 @@ def decode_array(obj) -> np.ndarray:
         raise ValueError(f"raw images: dtype must be float32 or uint8, got {dtype!r}")
     if (
         not isinstance(shape, list)
-        or len(shape) != 4
-        or shape[1] != 3
-        or not all(isinstance(n, int) and n > 0 for n in shape)
+        or len(shape) not in (4, 5)
+        or shape[-3] != 3
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)
     ):
-        raise ValueError(f"raw images: shape must be [B, 3, H, W] of positive ints, got {shape!r}")
+        raise ValueError(
+            f"raw images: shape must be [B, 3, H, W] (videos: [B, T, 3, H, W]) of positive ints, got {shape!r}"
+        )
     try:
         raw = base64.b64decode(obj.get("data", ""), validate=True)
     except (ValueError, TypeError):
@@ -166,7 +183,8 @@ def _first_line(text: str) -> str:
 
 
 class RemoteReward:
-    """Calls a reward server: `__call__(images, prompts, metadata) -> (rewards (B,), info)` like any reward."""
+    """Calls a reward server: `__call__(images, prompts, metadata) -> (rewards (B,), info)` like any reward; a
+    batch bigger than REQUEST_BYTES goes in several requests."""
 
     def __init__(
         self, url: str, timeout: float = TIMEOUT_S, retries: int = RETRIES, backoff: float = BACKOFF_S
@@ -238,6 +256,29 @@ class RemoteReward:
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         import torch
 
+        step = max(1, REQUEST_BYTES // max(1, images[:1].numel() * 4))
+        if 4 * math.ceil(images[:1].numel() * 4 / 3) > MAX_BODY_BYTES:  # one image or video, in base64
+            raise UserError(
+                f"{self._where()}: one sample of shape {tuple(images.shape[1:])} is over the server's "
+                f"{MAX_BODY_BYTES >> 20} MiB request in base64; score fewer frames (--video_reduction mean:K for "
+                "an image reward) or a smaller --resolution."
+            )
+        if len(images) <= step:
+            return self._score(images, prompts, metadata)
+        parts = [
+            self._score(images[i : i + step], prompts[i : i + step], metadata[i : i + step])
+            for i in range(0, len(images), step)
+        ]
+        info = {  # per-sample values joined; a scalar described one request only, so it is left out
+            key: torch.cat([p[1][key] for p in parts])
+            for key in parts[0][1]
+            if all(key in p[1] and p[1][key].ndim == 1 for p in parts)
+        }
+        return torch.cat([p[0] for p in parts]), info
+
+    def _score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        import torch
+
         batch = len(images)
         answer = self._request(
             "/score",
@@ -267,12 +308,14 @@ class RemoteReward:
 
 
 def remote(device: torch.device, dtype: torch.dtype, model_dir: str, url: str, **options):
-    """The reward of the server at `url`; checks /health first, so a server that is down fails before training."""
+    """The reward of the server at `url`; checks /health first, so a server that is down fails before training. A
+    served reward of whole videos makes this one take videos too (`.video`): they are sent whole."""
     client = RemoteReward(url, **options)
-    client.health()
+    video = bool(client.health().get("video"))
 
     def reward_fn(images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         rewards, info = client(images, prompts, metadata)
         return rewards.to(device), {k: v.to(device) for k, v in info.items()}
 
+    reward_fn.video = video
     return reward_fn

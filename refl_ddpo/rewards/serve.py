@@ -8,11 +8,11 @@ processes or machines.
 then train or score with `--reward remote:http://HOST:PORT/NAME` (or `remote:http://HOST:PORT` when one reward is
 served). Endpoints:
 
-    GET  /health         one reward: {"status", "reward": SPEC, "differentiable"}; several: {"status": "ok" or
+    GET  /health         one reward: {"status", "reward": SPEC, "differentiable", "video"}; several: {"status": "ok" or
                          "degraded", "rewards": {NAME: its state}}; 200 when every reward is ok, else 503
     GET  /NAME/health    that reward's state: status (starting, ok, down), its spec, whether it is
-                         differentiable, the worker's python and pid, restarts, requests and batches scored, and the
-                         error that took it down
+                         differentiable, whether it takes whole videos [B, T, 3, H, W], the worker's python and
+                         pid, restarts, requests and batches scored, and the error that took it down
     POST /NAME/score     a batch (format: refl_ddpo.rewards.remote) scored by that reward; POST /score when one
                          reward is served
 
@@ -35,15 +35,15 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from refl_ddpo.core.errors import UserError, cli_main
+from refl_ddpo.rewards.remote import MAX_BODY_BYTES
 from refl_ddpo.rewards.serve_workers import RewardWorker, WorkerSettings, resolve_python
 
-MAX_BODY_BYTES = 1 << 30  # 1 GiB: a batch of 64 float32 images at 1024 px is 800 MB
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def parse_request(body: bytes):
-    """A POST /score body -> (images float32 [B, 3, H, W], prompts, metadata); ValueError (a 400) if it is
-    malformed. numpy only: the HTTP process never imports torch."""
+    """A POST /score body -> (images float32 [B, 3, H, W] or videos [B, T, 3, H, W], prompts, metadata); ValueError
+    (a 400) if it is malformed. numpy only: the HTTP process never imports torch."""
     from refl_ddpo.rewards.remote import decode_array
 
     request = json.loads(body)
@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max_batch_size",
         type=int,
         default=None,
-        help="Score at most this many images in one call (a bigger request in chunks; merged requests up to it).",
+        help="Score at most this many images (videos) in one call (a bigger request in chunks; merged requests up to it).",
     )
     parser.add_argument(
         "--batch_window_ms",

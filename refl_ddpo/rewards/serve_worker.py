@@ -11,9 +11,11 @@ closes (the server stopped or died). Everything the reward prints goes to stderr
 A frame is a header of two little-endian uint64 (the JSON's length, the payload's length), a JSON object, and a
 payload of raw bytes:
 
-    worker -> server, once loaded   {"ready": true, "differentiable": bool}, or {"error": "one line"} and exit
-    server -> worker                {"shape": [B, 3, H, W], "prompts": [str] * B, "metadata": [dict] * B},
-                                    payload: the images as C-order little-endian float32 in [0, 1]
+    worker -> server, once loaded   {"ready": true, "differentiable": bool, "video": bool}, or
+                                    {"error": "one line"} and exit
+    server -> worker                {"shape": [B, 3, H, W] or [B, T, 3, H, W] (a reward of videos: "video"),
+                                    "prompts": [str] * B, "metadata": [dict] * B}, payload: the images (videos)
+                                    as C-order little-endian float32 in [0, 1]
     worker -> server                {"rewards": [float] * B, "info": {key: [float] * B or float}}, or
                                     {"error": "one line", "kind": "user" | "reward"}
 """
@@ -104,6 +106,13 @@ def _score(reward, device, request: dict, payload: bytes, max_batch_size: int | 
     import torch
 
     shape = request["shape"]
+    if len(shape) == 5 and not reward.video:
+        from refl_ddpo.core.errors import UserError
+
+        raise UserError(
+            f"{reward.name} scores images [B, 3, H, W], not videos {shape}: send their frames "
+            "(remote:URL does so, by the trainer's --video_reduction)"
+        )
     images = torch.from_numpy(np.frombuffer(payload, dtype="<f4").reshape(shape).copy())
     rewards, info = score_batches(
         reward, images, request["prompts"], request["metadata"], device, max_batch_size
@@ -126,7 +135,7 @@ def serve(args: argparse.Namespace, inp: BinaryIO, out: BinaryIO) -> None:
         traceback.print_exc()
         write_frame(out, {"error": f"the reward did not load: {_first_line(e)}"})
         return
-    write_frame(out, {"ready": True, "differentiable": differentiable})
+    write_frame(out, {"ready": True, "differentiable": differentiable, "video": reward.video})
     while True:
         try:
             request, payload = read_frame(inp)

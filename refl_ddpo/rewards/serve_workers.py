@@ -45,7 +45,8 @@ class WorkerSettings:
 
 @dataclass
 class Pending:
-    """One request: images float32 [B, 3, H, W], its prompts and metadata, and its answer once scored."""
+    """One request: images float32 [B, 3, H, W] (or videos [B, T, 3, H, W]), its prompts and metadata, and its
+    answer once scored."""
 
     images: np.ndarray
     prompts: list[str]
@@ -110,6 +111,7 @@ class RewardWorker:
         self.name, self.spec, self.settings = name, spec, settings
         self.python = python or sys.executable
         self.differentiable = differentiable
+        self.video = None  # whether it takes whole videos, once loaded
         self.status, self.error = "starting", ""
         self.restarts = self.requests = self.batches = 0
         self._proc: subprocess.Popen | None = None
@@ -127,6 +129,7 @@ class RewardWorker:
     def health(self, detail: bool = True) -> dict:
         with self._cond:
             out = {"status": self.status, "reward": self.spec, "differentiable": self.differentiable}
+            out["video"] = self.video
             if self.error or self.status != "ok":
                 out["error"] = f"reward '{self.name}': {self.error or 'still loading'}"
             if detail:
@@ -201,6 +204,7 @@ class RewardWorker:
             if ready.get("ready"):
                 self.status, self.error = "ok", ""
                 self.differentiable = bool(ready.get("differentiable"))
+                self.video = bool(ready.get("video"))
                 print(f"reward {self.name} ready (pid {proc.pid})", file=sys.stderr, flush=True)
             else:
                 self.status, self.error = "down", f"did not load: {ready.get('error', '?')}"

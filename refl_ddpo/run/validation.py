@@ -34,9 +34,9 @@ import torch
 
 VALIDATION_DIR = "validation"  # output_dir/validation/{unit}-{N}.png|json
 GRID_TAG = "validation/images"
-VALIDATION_TOTAL = (
-    "validation_reward"  # a weighted --validation_reward's total: validation/validation_reward/...
-)
+VIDEO_TAG = "validation/videos"  # videos: also the grid of each frame in turn, animated (outputs.log_video)
+# a weighted --validation_reward's total: validation/validation_reward/...
+VALIDATION_TOTAL = "validation_reward"
 SCORED = "validation_reward/"  # --validation_reward's per-image scores among the parts draw_and_score returns
 
 
@@ -161,9 +161,8 @@ class Validator:
         # The family's first sampler is its deterministic inference one (DDIM / flow Euler), run with eta 0.
         self.scheduler_name = next(iter(family.schedulers.values()))
         self.scheduler = family.scheduler(self.scheduler_name)
-        self.grid_cols = self.per_prompt * math.ceil(
-            4 / self.per_prompt
-        )  # whole prompts per row, at least 4 wide
+        # whole prompts per row, at least 4 wide
+        self.grid_cols = self.per_prompt * math.ceil(4 / self.per_prompt)
         # the baseline validation's images as its grid shows them (N, 3, 256, 256) uint8: kept from count 0, or
         # read back from its files by a resumed run (None until then, or when they are not there)
         self.baseline_cells: torch.Tensor | None = None
@@ -200,9 +199,9 @@ class Validator:
         from tqdm.auto import tqdm
 
         from refl_ddpo.rewards import reward_stats
-        from refl_ddpo.run.outputs import log_grid
+        from refl_ddpo.run.outputs import log_grid, log_video
 
-        images_all, rewards_all, parts = self.draw_and_score()
+        images_all, rewards_all, parts, videos = self.draw_and_score()
         norm = self.trained_norm()
         stats = reward_stats(self.reward_spec, rewards_all, parts)
         metrics = {"validation/" + k.removeprefix("reward/"): v for k, v in stats.items()}
@@ -213,6 +212,8 @@ class Validator:
         records = self.write(name, count, metrics, drift, grid, rewards_all)
         self.accelerator.log({**metrics, **drift, f"validation/{self.unit}": count}, step=log_step)
         log_grid(self.accelerator, GRID_TAG, grid, log_step)
+        if videos and self.accelerator.trackers:
+            log_video(self.accelerator, VIDEO_TAG, self.grid(torch.cat(videos), rewards_all), log_step)
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith("/mean"))
         tqdm.write(f"validation after {self.unit} {count}: {shown} ({len(records)} images)")
         return ValidationResult(
@@ -296,16 +297,17 @@ class Validator:
             "guidance_scale": self.guidance_scale,
         }
 
-    def draw_and_score(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def draw_and_score(self) -> tuple:
         """Every validation image with the deterministic sampler, in batches, and its reward: (images (N, 3, H, W)
-        in [0, 1], rewards (N,), the reward's per-image parts), all on the CPU; the network's mode restored."""
+        in [0, 1] (videos: frame 0), rewards (N,), its per-image parts, videos [(B, T, 3, H, W) uint8] or []), all
+        on the CPU; the network's mode restored."""
         from refl_ddpo.core.edit_data import with_source_images
         from refl_ddpo.core.generate import generate_batch
 
         network = self.family.network
         was_training = network.training
         network.eval()
-        images, rewards, parts = [], [], {}
+        images, rewards, parts, videos = [], [], {}, []
         try:
             for start in range(0, len(self.specs), self.batch_size):
                 batch = self.specs[start : start + self.batch_size]
@@ -327,13 +329,14 @@ class Validator:
                     r, info = self.reward(pixels, prompts, [dict(m) for m in metadata])
                     info = {**info, **self.score(pixels, prompts, [dict(m) for m in metadata])}
                 images.append((pixels[:, 0] if pixels.ndim == 5 else pixels).float().cpu())  # videos: frame 0
+                videos += [pixels.float().mul(255).round().byte().cpu()] if pixels.ndim == 5 else []
                 rewards.append(r.detach().float().cpu())
                 for name, value in info.items():
                     if isinstance(value, torch.Tensor) and value.shape == r.shape:
                         parts.setdefault(name, []).append(value.detach().float().cpu())
         finally:
             network.train(was_training)
-        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}
+        return torch.cat(images), torch.cat(rewards), {k: torch.cat(v) for k, v in parts.items()}, videos
 
     def score(
         self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict]
@@ -350,14 +353,15 @@ class Validator:
         return out
 
     def grid(self, images_all: torch.Tensor, rewards_all: torch.Tensor) -> torch.Tensor:
-        """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt."""
-        from refl_ddpo.core.images import caption_grid, fmt_score
+        """The captioned grid (3, H, W) uint8: each image with its reward, seed and prompt (videos: one a frame)."""
+        from refl_ddpo.core.images import caption_grid, caption_video_grid, fmt_score
 
         captions = [
             f"{fmt_score(float(r))} s{s.seed} {s.prompt}"
             for s, r in zip(self.specs, rewards_all, strict=True)
         ]
-        return caption_grid(images_all, captions, cols=self.grid_cols)
+        grid_fn = caption_video_grid if images_all.ndim == 5 else caption_grid
+        return grid_fn(images_all, captions, cols=self.grid_cols)
 
     def write(
         self,
