@@ -226,3 +226,58 @@ def test_expand_timesteps_as_ti2v_5b(tiny_models):
         output_type="pt",
     ).frames
     assert stock.config.expand_timesteps and (videos - ref).abs().max().item() * 255 <= 1.0
+
+
+def test_decoding_the_first_frames_alone_equals_the_whole_decodes_first_frames(tiny_models):
+    """Wan's VAE is causal in time: `decode(latents, frames=K)` (the latent frames the first K need, alone) equals the
+    first K frames of the whole decode, to float32 rounding."""
+    family = _family(tiny_models / "tiny-wan21")
+    latents = torch.randn(1, 16, 4, 2, 2, generator=torch.Generator().manual_seed(0))  # 13 frames
+    with torch.no_grad():
+        whole = family.decode(latents)
+        for k in (1, 2, 5, 6, 13):
+            part = family.decode(latents, frames=k)
+            assert part.shape == whole[:, :k].shape and (part - whole[:, :k]).abs().max() <= 1e-6
+
+
+def test_a_ti2v_5b_like_model_matches_the_stock_pipeline(tiny_models, tmp_path):
+    """Wan2.2-TI2V-5B's shape on tiny parts: 48 latent channels, the Wan 2.2 VAE (residual, patch 2, 16x in space) and
+    `expand_timesteps`: the kit's noise, per-token timesteps and decode give the stock pipeline's video."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    base = WanPipeline.from_pretrained(tiny_models / "tiny-wan21")
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=[0.1] * 48,
+        latents_std=[0.5] * 48,
+    )
+    config = {**base.transformer.config, "in_channels": 48, "out_channels": 48}
+    transformer = WanTransformer3DModel.from_config(config)
+    parts = {"tokenizer": base.tokenizer, "text_encoder": base.text_encoder, "scheduler": base.scheduler}
+    WanPipeline(transformer=transformer, vae=vae, expand_timesteps=True, **parts).save_pretrained(tmp_path)
+    family = _family(tmp_path)
+    assert family.initial_noise(1, 32, None, torch.float32).shape == (1, 48, 2, 2, 2)
+    videos = generate_batch(family, PROMPTS[:1], SEEDS[:1], 32, 2, 4.0)
+    ref = _stock(tmp_path)(
+        PROMPTS[:1],
+        height=32,
+        width=32,
+        num_frames=FRAMES,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        generator=[torch.Generator().manual_seed(SEEDS[0])],
+        output_type="pt",
+    ).frames
+    assert (
+        videos.shape == ref.shape == (1, FRAMES, 3, 32, 32) and (videos - ref).abs().max().item() * 255 <= 1.0
+    )

@@ -67,7 +67,7 @@ def refl_step(
         keep_trajectory=keep_trajectory,
         network=r.network,
     )
-    images = r.family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
+    images = decode_scored(r.family, denoised.pred_original_sample, reward)  # [B, 3, H, W] in [0, 1]
     rewards, _ = reward(images, r.prompts, r.metadata)  # [B]
     return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised)
 
@@ -127,10 +127,19 @@ def draft_step(
         copies, _ = family.step(scheduler, model_output, t_host, x_t, r.eta, generator)
         finals.append(copies)
         prompts, metadata = prompts * (1 + lv_copies), metadata * (1 + lv_copies)
-    images = family.decode(torch.cat(finals))  # [(1 + N) B, 3, H, W] in [0, 1]
+    images = decode_scored(family, torch.cat(finals), reward)  # [(1 + N) B, 3, H, W] in [0, 1]
     rewards, _ = reward(images, prompts, metadata)  # [(1 + N) B]
     loss = refl_loss(rewards, margin, grad_scale)
     return ReFLStepOutput(loss, rewards[: len(r.prompts)], images[: len(r.prompts)], denoised)
+
+
+def decode_scored(family: ModelFamily, latents: torch.Tensor, reward) -> torch.Tensor:
+    """`family.decode(latents)`; of videos whose reward reads only their first frames (its `frames`, from
+    --video_reduction first:K), those frames alone (the Wan family's causal decode of the latent frames they need)."""
+    frames = getattr(reward, "frames", None)
+    if frames is None or latents.ndim != 5:
+        return family.decode(latents)
+    return family.decode(latents, frames=frames)
 
 
 def kl_to_base(r: Rollout, denoised: DenoiseOutput, steps: int | Collection[int]) -> torch.Tensor:
