@@ -191,20 +191,26 @@ def test_num_frames_is_refused_before_loading(tiny_models, tmp_path):
 
 
 def test_memory_benchmark_configs_are_wans_published_sizes():
-    """benchmarks/configs/wan21_*.json (diffusers' conversion script's Wan-T2V-1.3B and -14B, and the VAE it builds)
-    and umt5_xxl_text_encoder.json (Wan's own umt5_xxl) build the published sizes on meta: 1.4 B and 14.3 B
-    transformers, UMT5-XXL's 5.7 B encoder, the 127 M VAE; the text width is the transformers' text_dim."""
+    """benchmarks/configs/wan2*.json (diffusers' conversion script's Wan-T2V-1.3B, -14B and Wan2.2-TI2V-5B, and the
+    VAEs it builds) and umt5_xxl_text_encoder.json (Wan's own umt5_xxl) build the published sizes on meta: 1.4 B,
+    14.3 B and 5.0 B transformers (Wan 2.2's README: "a 5B dense model"), UMT5-XXL's 5.7 B encoder, the 127 M Wan 2.1
+    VAE and the Wan 2.2 VAE (48 latent channels, 16x in space); the text width is the transformers' text_dim."""
     from benchmarks.family_memory import load_config
-    from benchmarks.wan_memory import TEXT_ENCODER_CONFIG, WAN_MODELS, parameter_counts
+    from benchmarks.wan_memory import TEXT_ENCODER_CONFIG, VAE_CONFIGS, WAN_MODELS, parameter_counts
 
     assert parameter_counts() == {
         "wan21_1_3b": 1_418_996_800,
         "wan21_14b": 14_288_491_584,
+        "wan22_ti2v_5b": 4_999_787_712,
         "text_encoder": 5_680_910_336,
         "vae": 126_892_531,
+        "wan22_vae": 704_688_668,
     }
     width = load_config(TEXT_ENCODER_CONFIG)["d_model"]
     assert all(load_config(f)["text_dim"] == width for f in WAN_MODELS.values())
+    ti2v, vae = load_config(WAN_MODELS["wan22_ti2v_5b"]), load_config(VAE_CONFIGS["wan22_vae"])
+    assert ti2v["in_channels"] == ti2v["out_channels"] == vae["z_dim"] == len(vae["latents_std"]) == 48
+    assert (vae["scale_factor_spatial"], vae["scale_factor_temporal"]) == (16, 4)
 
 
 def test_expand_timesteps_as_ti2v_5b(tiny_models):
