@@ -1,12 +1,13 @@
-"""Rewards of videos (B, T, 3, H, W): an image reward per frame reduced by mean, min or over K evenly spaced frames,
-checked against the closed form on a reward of known value (each frame's brightness); the temporal-consistency term
-against its formula; a weighted sum through `build_reward` on videos; images pass through unchanged."""
+"""Rewards of videos (B, T, 3, H, W): an image reward per frame reduced by mean, min, over K evenly spaced frames or
+the first K, checked against the closed form on a reward of known value (each frame's brightness); the
+temporal-consistency term against its formula; a weighted sum through `build_reward` on videos; first:K's K handed
+to the decode; images pass through unchanged."""
 
 import pytest
 import torch
 
 from refl_ddpo.core.errors import UserError
-from refl_ddpo.core.video import frame_indices, parse_reduction
+from refl_ddpo.core.video import frame_indices, leading_frames, parse_reduction
 from refl_ddpo.rewards import build_reward
 from refl_ddpo.rewards.video import frames_reward, temporal_consistency
 
@@ -31,6 +32,8 @@ def _videos() -> torch.Tensor:
         ("mean:3", [0.3, 0.6]),  # frames 0, 2, 4: (1 + 3 + 5) / 3 / 10 (b + 1)
         ("min:2", [0.1, 0.2]),  # frames 0 and 4
         ("mean:1", [0.1, 0.2]),  # frame 0 alone
+        ("first:2", [0.15, 0.3]),  # frames 0 and 1: (1 + 2) / 2 / 10 (b + 1)
+        ("first:9", [0.3, 0.6]),  # more than the video has: all 5
     ],
 )
 def test_per_frame_reductions_match_the_closed_form(reduction, expected):
@@ -42,8 +45,9 @@ def test_per_frame_reductions_match_the_closed_form(reduction, expected):
 def test_frame_indices_and_bad_reductions():
     assert frame_indices(81, 4) == [0, 27, 53, 80] and frame_indices(5, None) == [0, 1, 2, 3, 4]
     assert frame_indices(3, 8) == [0, 1, 2]
-    assert parse_reduction("min:4") == ("min", 4)
-    for bad in ("median", "mean:0", "mean:x"):
+    assert parse_reduction("min:4") == ("min", 4) and frame_indices(81, 3, "first") == [0, 1, 2]
+    assert leading_frames("first:9") == 9 and leading_frames("mean:9") is None
+    for bad in ("median", "mean:0", "mean:x", "first", "first:0"):
         with pytest.raises(UserError, match="--video_reduction"):
             parse_reduction(bad)
 
@@ -65,6 +69,26 @@ def test_temporal_consistency_is_minus_the_mean_frame_to_frame_distance():
     assert videos.grad is not None and videos.grad.abs().sum() > 0
     with pytest.raises(UserError, match="scores videos"):
         fn(torch.rand(2, 3, 4, 4), ["a", "b"], [{}, {}])
+
+
+def test_first_k_reaches_the_reward_and_the_decode():
+    """build_reward's Reward says first:K's K (`frames`) and the reward-backprop trainers' decode asks the family for
+    those frames alone; other reductions, and images, decode whole."""
+    from refl_ddpo.trainers.backprop import decode_scored
+
+    class Family:
+        def decode(self, latents, frames=None):
+            return frames
+
+    reward = build_reward(
+        "jpeg_compressibility:1.0,temporal_consistency:2.0", "cpu", video_reduction="first:9"
+    )
+    assert (
+        reward.frames == 9
+        and build_reward("jpeg_compressibility", "cpu", video_reduction="mean:9").frames is None
+    )
+    assert decode_scored(Family(), torch.zeros(1, 4, 3, 2, 2), reward) == 9
+    assert decode_scored(Family(), torch.zeros(1, 4, 2, 2), reward) is None  # images: the whole decode
 
 
 def test_a_weighted_sum_on_videos_through_build_reward():

@@ -191,20 +191,26 @@ def test_num_frames_is_refused_before_loading(tiny_models, tmp_path):
 
 
 def test_memory_benchmark_configs_are_wans_published_sizes():
-    """benchmarks/configs/wan21_*.json (diffusers' conversion script's Wan-T2V-1.3B and -14B, and the VAE it builds)
-    and umt5_xxl_text_encoder.json (Wan's own umt5_xxl) build the published sizes on meta: 1.4 B and 14.3 B
-    transformers, UMT5-XXL's 5.7 B encoder, the 127 M VAE; the text width is the transformers' text_dim."""
+    """benchmarks/configs/wan2*.json (diffusers' conversion script's Wan-T2V-1.3B, -14B and Wan2.2-TI2V-5B, and the
+    VAEs it builds) and umt5_xxl_text_encoder.json (Wan's own umt5_xxl) build the published sizes on meta: 1.4 B,
+    14.3 B and 5.0 B transformers (Wan 2.2's README: "a 5B dense model"), UMT5-XXL's 5.7 B encoder, the 127 M Wan 2.1
+    VAE and the Wan 2.2 VAE (48 latent channels, 16x in space); the text width is the transformers' text_dim."""
     from benchmarks.family_memory import load_config
-    from benchmarks.wan_memory import TEXT_ENCODER_CONFIG, WAN_MODELS, parameter_counts
+    from benchmarks.wan_memory import TEXT_ENCODER_CONFIG, VAE_CONFIGS, WAN_MODELS, parameter_counts
 
     assert parameter_counts() == {
         "wan21_1_3b": 1_418_996_800,
         "wan21_14b": 14_288_491_584,
+        "wan22_ti2v_5b": 4_999_787_712,
         "text_encoder": 5_680_910_336,
         "vae": 126_892_531,
+        "wan22_vae": 704_688_668,
     }
     width = load_config(TEXT_ENCODER_CONFIG)["d_model"]
     assert all(load_config(f)["text_dim"] == width for f in WAN_MODELS.values())
+    ti2v, vae = load_config(WAN_MODELS["wan22_ti2v_5b"]), load_config(VAE_CONFIGS["wan22_vae"])
+    assert ti2v["in_channels"] == ti2v["out_channels"] == vae["z_dim"] == len(vae["latents_std"]) == 48
+    assert (vae["scale_factor_spatial"], vae["scale_factor_temporal"]) == (16, 4)
 
 
 def test_expand_timesteps_as_ti2v_5b(tiny_models):
@@ -226,3 +232,58 @@ def test_expand_timesteps_as_ti2v_5b(tiny_models):
         output_type="pt",
     ).frames
     assert stock.config.expand_timesteps and (videos - ref).abs().max().item() * 255 <= 1.0
+
+
+def test_decoding_the_first_frames_alone_equals_the_whole_decodes_first_frames(tiny_models):
+    """Wan's VAE is causal in time: `decode(latents, frames=K)` (the latent frames the first K need, alone) equals the
+    first K frames of the whole decode, to float32 rounding."""
+    family = _family(tiny_models / "tiny-wan21")
+    latents = torch.randn(1, 16, 4, 2, 2, generator=torch.Generator().manual_seed(0))  # 13 frames
+    with torch.no_grad():
+        whole = family.decode(latents)
+        for k in (1, 2, 5, 6, 13):
+            part = family.decode(latents, frames=k)
+            assert part.shape == whole[:, :k].shape and (part - whole[:, :k]).abs().max() <= 1e-6
+
+
+def test_a_ti2v_5b_like_model_matches_the_stock_pipeline(tiny_models, tmp_path):
+    """Wan2.2-TI2V-5B's shape on tiny parts: 48 latent channels, the Wan 2.2 VAE (residual, patch 2, 16x in space) and
+    `expand_timesteps`: the kit's noise, per-token timesteps and decode give the stock pipeline's video."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    base = WanPipeline.from_pretrained(tiny_models / "tiny-wan21")
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=[0.1] * 48,
+        latents_std=[0.5] * 48,
+    )
+    config = {**base.transformer.config, "in_channels": 48, "out_channels": 48}
+    transformer = WanTransformer3DModel.from_config(config)
+    parts = {"tokenizer": base.tokenizer, "text_encoder": base.text_encoder, "scheduler": base.scheduler}
+    WanPipeline(transformer=transformer, vae=vae, expand_timesteps=True, **parts).save_pretrained(tmp_path)
+    family = _family(tmp_path)
+    assert family.initial_noise(1, 32, None, torch.float32).shape == (1, 48, 2, 2, 2)
+    videos = generate_batch(family, PROMPTS[:1], SEEDS[:1], 32, 2, 4.0)
+    ref = _stock(tmp_path)(
+        PROMPTS[:1],
+        height=32,
+        width=32,
+        num_frames=FRAMES,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        generator=[torch.Generator().manual_seed(SEEDS[0])],
+        output_type="pt",
+    ).frames
+    assert (
+        videos.shape == ref.shape == (1, FRAMES, 3, 32, 32) and (videos - ref).abs().max().item() * 255 <= 1.0
+    )

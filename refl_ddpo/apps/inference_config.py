@@ -119,8 +119,8 @@ class InferenceConfig(ConfigBase):
     )
     video_reduction: str = field_(
         "mean",
-        "Video models: how an image reward scores a video from its frames: mean, min, or mean:K / min:K over K "
-        "frames evenly spaced (the first and the last among them).",
+        "Video models: how an image reward scores a video from its frames: mean, min, mean:K / min:K over K "
+        "frames evenly spaced (the first and the last among them), or first:K, the mean over the first K frames.",
     )
     # ---- how ----
     batch_size: int = field_(

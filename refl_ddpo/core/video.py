@@ -1,6 +1,9 @@
 """The video flags, checked before any model loads and without importing torch, a family or a reward: --num_frames
 against the VAE's temporal stride, the video-only flags refused for image models, and --video_reduction (how an image
-reward scores a video from its frames; `refl_ddpo.rewards.video.frames_reward` applies it)."""
+reward scores a video from its frames; `refl_ddpo.rewards.video.frames_reward` applies it). `first:K` scores the first
+K frames only, which the reward-backprop trainers decode alone (`leading_frames`): Wan's VAE is causal in time, its
+first 1 + 4 (k - 1) frames come from the first k latent frames alone, so the decode of the rest (its activations,
+kept for the backward) is skipped."""
 
 from __future__ import annotations
 
@@ -9,24 +12,35 @@ from pathlib import Path
 
 from refl_ddpo.core.errors import UserError
 
-REDUCTIONS = ("mean", "min")
+REDUCTIONS = ("mean", "min", "first")
 VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")  # model_index.json classes that draw videos
 
 
 def parse_reduction(spec: str) -> tuple[str, int | None]:
-    """'mean' -> ('mean', None); 'min:4' -> ('min', 4): the reduction and how many frames (None: all)."""
+    """'mean' -> ('mean', None); 'min:4' -> ('min', 4); 'first:9' -> ('first', 9): the reduction and how many frames
+    (None: all)."""
     how, _, k = spec.partition(":")
-    if how not in REDUCTIONS or (k and not (k.isdigit() and int(k) >= 1)):
+    if how not in REDUCTIONS or (k and not (k.isdigit() and int(k) >= 1)) or (how == "first" and not k):
         raise UserError(
-            f"--video_reduction {spec}: write mean, min, or mean:K / min:K with K >= 1 frames evenly spaced."
+            f"--video_reduction {spec}: write mean, min, mean:K / min:K (K >= 1 frames evenly spaced) or first:K "
+            "(the mean over the first K frames)."
         )
     return how, int(k) if k else None
 
 
-def frame_indices(num_frames: int, k: int | None) -> list[int]:
-    """The frames scored: all, or K evenly spaced from the first to the last (the first alone for K = 1)."""
+def leading_frames(spec: str) -> int | None:
+    """K for 'first:K' (the reward reads a video's first K frames, nothing after them); None otherwise."""
+    how, k = parse_reduction(spec)
+    return k if how == "first" else None
+
+
+def frame_indices(num_frames: int, k: int | None, how: str = "mean") -> list[int]:
+    """The frames scored: all, the first K (`how` "first"), or K evenly spaced from the first to the last (the first
+    alone for K = 1)."""
     if k is None or k >= num_frames:
         return list(range(num_frames))
+    if how == "first":
+        return list(range(k))
     if k == 1:
         return [0]
     return [round(i * (num_frames - 1) / (k - 1)) for i in range(k)]

@@ -120,9 +120,10 @@ class Reward:
     name: str
     fn: RewardFn
     differentiable: bool
-    video: bool = (
-        False  # it takes whole videos (B, T, 3, H, W): one of its parts has `.video` (else frames only)
-    )
+    # it takes whole videos (B, T, 3, H, W): one of its parts has `.video` (else frames only)
+    video: bool = False
+    # a video's leading frames it reads (--video_reduction first:K); None: all of them
+    frames: int | None = None
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         return self.fn(images, prompts, metadata)
@@ -268,10 +269,12 @@ def build_reward(
 
     `options` maps a reward name to extra keyword arguments of its factory, e.g. {"imagereward": {"antialias":
     False}}; a URL in the spec ('remote:URL', 'vlm_judge:URL') is passed as `url`. Videos (B, T, 3, H, W): each image
-    reward scores frames, reduced by `video_reduction` (`refl_ddpo.rewards.video.frames_reward`)."""
+    reward scores frames, reduced by `video_reduction` (`refl_ddpo.rewards.video.frames_reward`); with first:K the
+    Reward's `frames` says K, so that the reward-backprop trainers decode those frames alone."""
     import torch
 
     from refl_ddpo.core.progress import quiet_library_bars
+    from refl_ddpo.core.video import leading_frames
     from refl_ddpo.rewards.video import frames_reward
 
     quiet_library_bars()
@@ -284,11 +287,11 @@ def build_reward(
             kwargs["url"] = reward_url(name)
         fn = factory(name)(device=device, dtype=dtype, model_dir=model_dir, **kwargs)
         built.append((name, w, fn if getattr(fn, "video", False) else frames_reward(fn, video_reduction)))
-    differentiable = is_differentiable(spec)
+    differentiable, frames = is_differentiable(spec), leading_frames(video_reduction)
     video = any(getattr(fn, "video", False) for _, _, fn in built)
     if len(built) == 1 and built[0][1] == 1.0:
         name, _, fn = built[0]
-        return Reward(name, fn, differentiable, video)
+        return Reward(name, fn, differentiable, video=video, frames=frames)
 
     def weighted(images, prompts, metadata):
         total, info = None, {}
@@ -299,7 +302,7 @@ def build_reward(
             total = w * r if total is None else total + w * r
         return total, info
 
-    return Reward(spec, weighted, differentiable, video)
+    return Reward(spec, weighted, differentiable, video=video, frames=frames)
 
 
 def count_nonfinite(rewards: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
 """Rewards of videos (B, T, 3, H, W) in [0, 1]: an image reward applied per frame and reduced over the frames
 (`frames_reward`, the reduction of --video_reduction: mean, min, or either over K frames evenly spaced, to bound the
-cost), and a temporal-consistency term (`temporal_consistency`: minus the mean squared distance between
+cost; first:K, the mean over the first K frames, which the reward-backprop trainers decode alone), and a temporal-consistency term (`temporal_consistency`: minus the mean squared distance between
 consecutive frames, differentiable).
 
 A reward function that takes whole videos itself says so with `reward_fn.video = True`; every other one is an image
@@ -25,7 +25,7 @@ def frames_reward(fn, reduction: str = "mean"):
         if images.ndim != 5:
             return fn(images, prompts, metadata)
         b, t = images.shape[:2]
-        idx = frame_indices(t, k)
+        idx = frame_indices(t, k, how)
         n = len(idx)
         frames = images[:, idx].flatten(0, 1)
         rewards, info = fn(frames, [p for p in prompts for _ in idx], [m for m in metadata for _ in idx])
@@ -39,7 +39,7 @@ def frames_reward(fn, reduction: str = "mean"):
 
 
 def _reduce(values: torch.Tensor, how: str) -> torch.Tensor:
-    return values.mean(1) if how == "mean" else values.min(1).values
+    return values.min(1).values if how == "min" else values.mean(1)
 
 
 def temporal_consistency(device: torch.device, dtype: torch.dtype, model_dir: str):

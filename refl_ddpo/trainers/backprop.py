@@ -69,7 +69,7 @@ def refl_step(
         keep_trajectory=keep_trajectory,
         network=r.network,
     )
-    images = r.family.decode(denoised.pred_original_sample)  # [B, 3, H, W] in [0, 1]
+    images = decode_scored(r.family, denoised.pred_original_sample, reward)  # [B, 3, H, W] in [0, 1]
     rewards, info = reward(images, r.prompts, r.metadata)  # [B]
     info = per_sample_info(info, len(rewards))
     return ReFLStepOutput(refl_loss(rewards, margin, grad_scale), rewards, images, denoised, info)
@@ -130,12 +130,21 @@ def draft_step(
         copies, _ = family.step(scheduler, model_output, t_host, x_t, r.eta, generator)
         finals.append(copies)
         prompts, metadata = prompts * (1 + lv_copies), metadata * (1 + lv_copies)
-    images = family.decode(torch.cat(finals))  # [(1 + N) B, 3, H, W] in [0, 1]
+    images = decode_scored(family, torch.cat(finals), reward)  # [(1 + N) B, 3, H, W] in [0, 1]
     rewards, info = reward(images, prompts, metadata)  # [(1 + N) B]
     loss = refl_loss(rewards, margin, grad_scale)
     b = len(r.prompts)
     info = {k: v[:b] for k, v in per_sample_info(info, len(rewards)).items()}
     return ReFLStepOutput(loss, rewards[:b], images[:b], denoised, info)
+
+
+def decode_scored(family: ModelFamily, latents: torch.Tensor, reward) -> torch.Tensor:
+    """`family.decode(latents)`; of videos whose reward reads only their first frames (its `frames`, from
+    --video_reduction first:K), those frames alone (the Wan family's causal decode of the latent frames they need)."""
+    frames = getattr(reward, "frames", None)
+    if frames is None or latents.ndim != 5:
+        return family.decode(latents)
+    return family.decode(latents, frames=frames)
 
 
 def kl_to_base(r: Rollout, denoised: DenoiseOutput, steps: int | Collection[int]) -> torch.Tensor:

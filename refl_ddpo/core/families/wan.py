@@ -215,15 +215,21 @@ class Wan(StableDiffusion3):
         sigma = step_sigmas(scheduler, timestep, x0.shape[0])[0].to(x0.device).view(-1, 1, 1, 1, 1)
         return ((1 - sigma) * x0.float() + sigma * noise.float()).to(x0.dtype)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> frames (B, T, 3, H, W) in [0, 1], with the pipeline's de-normalisation."""
+    def decode(self, latents: torch.Tensor, frames: int | None = None) -> torch.Tensor:
+        """Latents -> frames (B, T, 3, H, W) in [0, 1], with the pipeline's de-normalisation. `frames`: the first
+        `frames` only, decoded from the latent frames they need alone (the VAE is causal in time: its first
+        1 + s (k - 1) frames, s its temporal stride, depend on the first k latent frames only)."""
         vae = self.vae
         latents = latents.to(vae.dtype)
+        if frames is not None:  # ceil((frames - 1) / s) + 1 latent frames
+            s = self.pipe.vae_scale_factor_temporal
+            latents = latents[:, :, : (frames + s - 2) // s + 1]
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
         video = vae.decode(latents / inv_std + mean, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
-        return (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+        video = (video.float() / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+        return video if frames is None else video[:, :frames]
 
 
 def _zero_from(network) -> torch.Tensor:
