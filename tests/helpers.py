@@ -415,7 +415,7 @@ def run_two(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
 def resume_two(checkpoint: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
     """Copy a finished run's `checkpoint` into the fresh --output_dir of `args` (the folder a run killed right after
     writing it leaves) and resume it with latest on two processes: one two-process run, not a killed and a resumed
-    one. Runs killed with -9 on two processes and resumed: tests/test_grpo.py, test_nft.py, test_fsdp_grpo.py (under
+    one. Runs killed with -9 on two processes and resumed: tests/test_nft.py, test_fsdp_grpo.py (GRPO, under
     FSDP); and test_runs.py: the workers die with their launcher."""
     import shutil
 
