@@ -38,6 +38,7 @@ LONG_FIRST = (
     "test_toy_learning_awm",
     "test_toy_learning_nft",
     "test_toy_learning_sd3",
+    "test_family_trainers",
     "test_family_conformance",
     "test_grpo",
     "test_refl",

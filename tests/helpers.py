@@ -274,6 +274,22 @@ def run_in_process(monkeypatch, name: str, args: list[str]) -> None:
     importlib.import_module(module).main(args)
 
 
+def refused(monkeypatch, capsys, name: str, args: list[str], through_script: bool, env: dict | None = None):
+    """A run of train_scripts/NAME ARGS on one process that must stop at a check before loading: through the script
+    (`run_script`, `env`) or in this process (`run_in_process`: the same trainer main, whose checks these are, without
+    an interpreter's start). Returns (exit code, stderr). A parametrized test of refusals runs one case per script
+    through it and the others in this process."""
+    import pytest
+
+    if through_script:
+        r = run_script(name, args, env)
+        return r.returncode, r.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run_in_process(monkeypatch, name, args)
+    return stopped.value.code, capsys.readouterr().err
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a rendezvous)."""
     import socket
@@ -415,7 +431,7 @@ def run_two(script: str, args: list[str], **env) -> subprocess.CompletedProcess:
 def resume_two(checkpoint: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
     """Copy a finished run's `checkpoint` into the fresh --output_dir of `args` (the folder a run killed right after
     writing it leaves) and resume it with latest on two processes: one two-process run, not a killed and a resumed
-    one. Runs killed with -9 on two processes and resumed: tests/test_grpo.py, test_nft.py, test_fsdp_grpo.py (under
+    one. Runs killed with -9 on two processes and resumed: tests/test_nft.py, test_fsdp_grpo.py (GRPO, under
     FSDP); and test_runs.py: the workers die with their launcher."""
     import shutil
 

@@ -3,7 +3,8 @@ without): prompt encoding vs the stock FluxPipeline's, packing and position ids 
 guidance, true CFG and the resolution-dependent shift, the loop in bfloat16, the unset guidance flags resolved to the
 pipeline's 3.5, resumed ReFL and GRPO runs equal to the uninterrupted ones, schnell and the Flow-GRPO-Fast preset
 trained. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA in the stock
-pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in tests/test_family_conformance.py."""
+pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in tests/test_family_conformance.py and
+test_family_trainers.py."""
 
 import re
 import shutil
@@ -195,7 +196,7 @@ def test_true_cfg_is_off_by_default_and_equals_the_pipelines_when_on(stock):
     assert (ours - ref).abs().max().item() <= 1 / 255 and (ours - plain).abs().max() > 1e-3
 
 
-# ---- the trainers (every trainer for two steps: tests/test_family_conformance.py) ----
+# ---- the trainers (every trainer for two steps: tests/test_family_trainers.py) ----
 
 
 def _policy_flags(tiny_models, out: Path, *extra: str, num_epochs: int = 2, **flags) -> list[str]:

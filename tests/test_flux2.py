@@ -5,7 +5,7 @@ CFG on the [klein] base, none on the distilled [klein], whatever the flags say),
 guidance flags resolved per family, inference.py against the stock pipeline's call, DDPO on policy on the distilled
 [klein] with no CFG call, the presets, the memory benchmark's configs. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA
 in the stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in
-tests/test_family_conformance.py."""
+tests/test_family_conformance.py and test_family_trainers.py."""
 
 import pytest
 import torch

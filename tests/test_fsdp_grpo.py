@@ -17,6 +17,7 @@ from helpers import (
     free_port,
     grpo_flags,
     kill_after,
+    refused,
     run_script,
     run_two,
     saved_lora,
@@ -155,11 +156,13 @@ def test_a_machine_that_never_meets_machine_0_is_one_line(tiny_models, tmp_path)
     ],
 )
 def test_fsdp_settings_that_cannot_work_are_one_line_before_loading(
-    script, extra, says, tiny_models, tmp_path
+    script, extra, says, tiny_models, tmp_path, capsys, monkeypatch
 ):
+    """The first case of each script through it, the others in this process (helpers.refused)."""
     flags = trainer_flags(
         tiny_models, tmp_path / "x", *extra, model="tiny-sd3", device="cpu", report_to="none"
     )
-    r = run_script(script, flags, script_env(), timeout=120)
-    assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-3000:]
+    first = extra in (["--fsdp"], ["--fsdp", "--no-use_lora", "--use_ema"])
+    code, err = refused(monkeypatch, capsys, script, flags, first, script_env())
+    assert code == 2 and says in err.strip().splitlines()[-1], err[-3000:]
     assert not (tmp_path / "x" / "run.json").exists(), "the folder is given back"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
-from helpers import kill_after, run_script, script_env, trainer_flags
+from helpers import resume_two, run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
@@ -602,17 +602,16 @@ def test_script_trains_groups_spread_over_two_processes_and_saves_a_lora(spannin
     assert "validation/jpeg_compressibility/mean" in scalars
 
 
-def test_resume_after_a_killed_run_gives_the_bit_identical_lora(spanning_run, tiny_models, tmp_path):
-    """SD3, two processes, groups across them, one x_T per group, a drawn window, beta, global std: killed (-9) after
-    its first checkpoint, resumed with --resume_from_checkpoint latest, the LoRA and the counters equal the
-    uninterrupted run's bit for bit."""
+def test_resume_from_the_first_checkpoint_gives_the_bit_identical_lora(spanning_run, tiny_models, tmp_path):
+    """SD3, two processes, groups across them, one x_T per group, a drawn window, beta, global std: the run's
+    checkpoint-1 in a fresh folder (what a run killed right after writing it leaves), resumed with
+    --resume_from_checkpoint latest and without validation or trackers: the LoRA and the counters equal the
+    uninterrupted run's bit for bit. (GRPO killed with -9 on two processes and resumed: tests/test_fsdp_grpo.py; DDPO
+    and DiffusionNFT under DDP: tests/test_ddpo.py, test_nft.py.)"""
     reference, _ = spanning_run("tiny-sd3")
-    out = tmp_path / "killed"
+    out = tmp_path / "resumed"
     flags = _span_flags(tiny_models, "tiny-sd3", out, "--report_to", "none")
-    kill_after(out / "checkpoint-1", SCRIPT.name, flags)  # in epoch 2
-    assert (out / "checkpoint-1").is_dir() and not (out / LORA_WEIGHTS_NAME).exists(), "killed before the end"
-    r = _script([*flags, "--resume_from_checkpoint", "latest"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = resume_two(reference / "checkpoint-1", SCRIPT.name, flags)
     assert "resumed from" in r.stdout and "1 epoch(s) done" in r.stdout
     assert "weights identical on all 2 process(es)" in r.stdout
     resumed, uninterrupted = load_file(out / LORA_WEIGHTS_NAME), load_file(reference / LORA_WEIGHTS_NAME)

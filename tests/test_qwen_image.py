@@ -3,7 +3,7 @@ mask) vs the stock QwenImagePipeline's, noise and packing, the schedule's shift_
 rescale, the loop in bfloat16, conditionings of unequal text lengths side by side, the Flow-GRPO preset, the VAE's
 missing gradient checkpointing refused. The checks every family passes (the loop vs the stock pipeline, the reward
 gradient, the LoRA in the stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in
-tests/test_family_conformance.py."""
+tests/test_family_conformance.py and test_family_trainers.py."""
 
 from pathlib import Path
 
@@ -155,7 +155,7 @@ def test_conditionings_of_unequal_lengths_concatenate_padded_and_predict_the_sam
     torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=1e-5)
 
 
-# ---- the trainers (every trainer for two steps: tests/test_family_conformance.py) ----
+# ---- the trainers (every trainer for two steps: tests/test_family_trainers.py) ----
 
 
 def _refl_flags(tiny_models, out: Path, *extra: str, **flags) -> list[str]:

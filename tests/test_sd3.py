@@ -1,7 +1,7 @@
 """What only the SD3 family has, on the tiny random SD3 folder: T5 dropped or absent, the SDE step's log-probs in
 the loop, the x0 KL weight, inference's flow-matching default, DDPO without T5. The checks every family passes (the
 loop vs the stock pipeline, the reward gradient, the LoRA in the stock pipeline and resumed, DDPO on policy, ReFL's
-card, every trainer for two steps) are in tests/test_family_conformance.py."""
+card, every trainer for two steps) are in tests/test_family_conformance.py and test_family_trainers.py."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 StableDiffusionXLPipeline's, the added conditions (pooled text, time ids), the VAE's upcast and latent normalisation,
 a guidance-distilled UNet refused, inference's DDIM default. The checks every family passes (the loop vs the stock
 pipeline, the reward gradient, the LoRA in the stock pipeline, DDPO on policy, every trainer for two steps) are in
-tests/test_family_conformance.py."""
+tests/test_family_conformance.py and test_family_trainers.py."""
 
 import pytest
 import torch

@@ -3,7 +3,8 @@ template, one sequence per prompt) vs the stock ZImagePipeline's, float32 noise,
 scheduler and its guidance flags resolved to no CFG, the pipeline's CFG convention (its g is the kit's s - 1),
 conditionings of unequal text lengths side by side, the loop in bfloat16, inference.py against the stock pipeline,
 the presets. The checks every family passes (the loop vs the stock pipeline, the reward gradient, the LoRA in the
-stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in tests/test_family_conformance.py."""
+stock pipeline, DDPO on policy, ReFL's card, every trainer for two steps) are in tests/test_family_conformance.py and
+test_family_trainers.py."""
 
 from pathlib import Path
 
