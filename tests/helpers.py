@@ -244,16 +244,25 @@ def ddpo_first_update(
 
 
 def run_script(name: str, args: list[str], env: dict | None = None, timeout: int = 300):
-    """bash train_scripts/NAME ARGS from the repo root with `env` (default: script_env()), output captured."""
-    return subprocess.run(
+    """bash train_scripts/NAME ARGS from the repo root with `env` (default: script_env()), output captured. Past
+    `timeout` seconds (a hang) its whole process group is killed, the launcher's workers with it, and
+    TimeoutExpired raised."""
+    with subprocess.Popen(
         ["bash", str(REPO / "train_scripts" / name), *args],
         cwd=REPO,
         env=script_env() if env is None else env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
-    )
+        start_new_session=True,  # its own process group: the workers are killed with it
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def script_recipe(name: str) -> tuple[str, str]:

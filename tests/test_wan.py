@@ -102,12 +102,17 @@ def test_a_bad_num_frames_is_refused_in_one_line(tiny_models):
 
 
 def test_train_expert_and_unipc_flow_shift(tiny_models):
-    """--wan_expert picks the trained network (`transformer_2` only where the folder has one); a UniPC scheduler's
-    flow_shift becomes the Euler sampler's shift."""
+    """--wan_expert picks the trained expert (`transformer_2` only where the folder has one): the network is the
+    pair with the LoRA's part that expert, at the top of a LoRA folder (unpaired: the expert itself); a UniPC
+    scheduler's flow_shift becomes the Euler sampler's shift."""
     from diffusers import UniPCMultistepScheduler
+
+    from refl_ddpo.core.lora import lora_parts
 
     family = _family(tiny_models / "tiny-wan22")
     family.train_expert("transformer_2")
+    assert lora_parts(family.network) == [("transformer_2", family.pipe.transformer_2, "")]
+    family.train_expert("transformer_2", pair=False)
     assert family.network is family.pipe.transformer_2
     with pytest.raises(UserError, match="has transformer$|has transformer\\."):
         _family(tiny_models / "tiny-wan21").train_expert("transformer_2")

@@ -14,7 +14,7 @@ from diffusers import WanPipeline
 from helpers import ddpo_first_update, trainer_flags, watch_training
 
 from refl_ddpo.core.families import load_family
-from refl_ddpo.core.lora import add_lora
+from refl_ddpo.core.lora import add_lora, lora_parts
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # conftest.py
 
@@ -106,7 +106,12 @@ def test_trainer_runs_two_epochs_on_video(trainer, model, expert, tiny_models, t
     importlib.import_module(f"refl_ddpo.trainers.{trainer}").main(flags)
     printed = capsys.readouterr().out
     assert "epoch 2/2" in printed and re.search(r"num_frames +=? *5\b", printed)
-    assert watch.runs[-1]["family"].network is getattr(watch.runs[-1]["family"].pipe, expert)
+    family = watch.runs[-1][
+        "family"
+    ]  # the trained expert (Wan 2.2: the pair's one LoRA part), at the folder's top
+    assert lora_parts(family.network) == [
+        (expert if model == "tiny-wan22" else "", getattr(family.pipe, expert), "")
+    ]
     watch.assert_lora_moved_and_base_not(out)
     if trainer == "ddpo":
         assert printed.count("validation after epoch") == 2 and (out / "validation" / "epoch-2.png").is_file()

@@ -56,6 +56,11 @@ def lora_parts(network) -> list[tuple[str, torch.nn.Module, str]]:
     return [("", network, "")] if parts is None else parts()
 
 
+def _compound(network) -> bool:
+    """Whether `network` is made of parts that carry the LoRA (Wan 2.2's pair, one or both of them trained)."""
+    return hasattr(network, "lora_parts")
+
+
 def _lora_format(network) -> tuple[str, str, bool]:
     from refl_ddpo.core.sharding import unsharded_class
 
@@ -139,9 +144,8 @@ def save_lora(
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts = lora_parts(unet)
-    if len(parts) > 1:  # each part's LoRA in its folder (a compound network is never sharded: no `state`)
-        for _, part, folder in parts:
+    if _compound(unet):  # each part's LoRA in its folder (a compound network is never sharded: no `state`)
+        for _, part, folder in lora_parts(unet):
             save_lora(part, out_dir / folder)
     elif getattr(unet, "peft_config", None):
         state = {
@@ -181,10 +185,10 @@ def read_lora_state(unet, lora_dir: str | Path) -> dict[str, torch.Tensor]:
     from diffusers.utils import convert_unet_state_dict_to_peft
     from safetensors.torch import load_file
 
-    if len(parts := lora_parts(unet)) > 1:
+    if _compound(unet):
         return {
             f"{name}.{k}": v
-            for name, part, folder in parts
+            for name, part, folder in lora_parts(unet)
             for k, v in read_lora_state(part, Path(lora_dir) / folder).items()
         }
 

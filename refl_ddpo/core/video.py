@@ -68,12 +68,17 @@ def check_num_frames(name: str, num_frames: int) -> None:
         )
 
 
+def has_two_experts(model: str) -> bool:
+    """Whether `model`'s model_index.json names a second expert `transformer_2` (Wan 2.2 A14B)."""
+    from refl_ddpo.core.models import model_index
+
+    return bool((model_index(model).get("transformer_2") or [None])[0])
+
+
 def check_wan_expert(model: str, expert: str | None) -> None:
     """--wan_expert transformer_2 or both needs a Wan 2.2 (A14B) folder, whose model_index.json names a second
     expert `transformer_2`: a one-line UserError otherwise."""
-    from refl_ddpo.core.models import model_index
-
-    if expert in ("transformer_2", "both") and not (model_index(model).get("transformer_2") or [None])[0]:
+    if expert in ("transformer_2", "both") and not has_two_experts(model):
         raise UserError(
             f"--wan_expert {expert}: {model} has one expert (transformer; Wan 2.2 A14B has a second, transformer_2): "
             "leave --wan_expert at transformer."

@@ -124,8 +124,18 @@ def open_accelerator(cfg: CommonConfig, accumulation: int):
         fsdp=cfg.fsdp,
         fsdp_cpu_offload=cfg.fsdp_cpu_offload,
         deepspeed=zero_config(cfg, accumulation),
-        find_unused_parameters=cfg.wan_expert == "both",  # DDP: a step that ran one of Wan 2.2's two experts
+        find_unused_parameters=pairs_experts(cfg),  # DDP: a step that ran one of Wan 2.2's two experts
     )
+
+
+def pairs_experts(cfg: CommonConfig) -> bool:
+    """Whether the trained network is Wan 2.2's pair of experts (`core.families.wan_experts`): LoRA on a model with
+    two experts, its network neither sharded (--fsdp) nor run by DeepSpeed (those train one expert itself)."""
+    from refl_ddpo.core.video import has_two_experts
+
+    if not cfg.use_lora or cfg.fsdp or cfg.deepspeed_zero:
+        return False
+    return cfg.wan_expert == "both" or has_two_experts(cfg.pretrained_model)
 
 
 def load_run(cfg: CommonConfig, info: RunInfo, accelerator, name: str, unit: str) -> Run:
@@ -149,6 +159,7 @@ def load_run(cfg: CommonConfig, info: RunInfo, accelerator, name: str, unit: str
         offload_text_encoders=cfg.offload_text_encoders,
         shard_text_encoders=cfg.fsdp_shard_text_encoders,
         expert=cfg.wan_expert,
+        pair_experts=pairs_experts(cfg),
     )
     cfg = resolve_resolution(cfg, family, info)
     return Run(cfg, name, unit, accelerator, family, params, dtype, info, repo_id)

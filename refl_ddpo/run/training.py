@@ -116,8 +116,8 @@ def make_accelerator(
     matmuls on CUDA if `allow_tf32`; `fsdp`: the network that `prepare` gets is sharded with FSDP2
     (refl_ddpo.core.sharding), its shards on the CPU between uses with `fsdp_cpu_offload`; `deepspeed`: a DeepSpeed config
     (refl_ddpo.run.zero.deepspeed_config) for accelerate's DeepSpeed plugin, the network run in DeepSpeed's engine;
-    `find_unused_parameters`: DDP finds the trained tensors a backward did not reach (Wan 2.2's two experts trained
-    together: each step runs one), which then keep no gradient, as on one process."""
+    `find_unused_parameters`: DDP finds the trained tensors a backward did not reach (Wan 2.2's pair of experts:
+    each step runs one), which then keep no gradient, as on one process."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
@@ -236,6 +236,7 @@ def load_trainable_family(
     offload_text_encoders: bool = False,
     shard_text_encoders: bool = False,
     expert: str | None = None,
+    pair_experts: bool = True,
 ):
     """(family, trainable params, weight dtype): the model `pretrained_model` in the mixed-precision dtype on the
     accelerator's device, `trainable`'s weights trainable (LoRA on the family's default targets where the spec leaves
@@ -247,7 +248,7 @@ def load_trainable_family(
     `offload_text_encoders` (--offload_text_encoders): the text encoders stay on the CPU and visit the device only
     while they encode (`ModelFamily.text_encoders_on_device`). `shard_text_encoders` (--fsdp_shard_text_encoders):
     they come from the host sharded per block like the network (`refl_ddpo.core.sharding.shard_frozen`), 1/N on each
-    device."""
+    device. `expert`, `pair_experts`: the Wan expert(s) trained, and whether as the pair (`Wan.train_expert`)."""
     from refl_ddpo.core.families import load_family
     from refl_ddpo.core.sharding import is_sharded
 
@@ -261,6 +262,7 @@ def load_trainable_family(
         offload_text_encoders=offload_text_encoders,
         shard_text_encoders=shard_text_encoders,
         expert=expert,
+        pair_experts=pair_experts,
     )
     targets = list(trainable.target_modules or family.lora_target_modules)
     params = make_trainable(family.network, trainable, targets)

@@ -65,6 +65,7 @@ def load_family(
     offload_text_encoders: bool = False,
     shard_text_encoders: bool = False,
     expert: str | None = None,
+    pair_experts: bool = True,
 ) -> ModelFamily:
     """Load the model at `name` (local folder or hub id), frozen, as its family's adapter (`drop_t5`: SD3 without
     its T5 text encoder; refused for FLUX.1, which needs its T5). `network_on_host`: the denoising network stays on
@@ -72,7 +73,7 @@ def load_family(
     `offload_text_encoders`: the text encoders stay on the CPU and visit `device` only while they encode
     (`ModelFamily.text_encoders_on_device`); composes with `network_on_host`. `shard_text_encoders`
     (--fsdp_shard_text_encoders; torch.distributed must run): they are loaded on the host, then sharded per block over
-    the processes (`refl_ddpo.core.sharding.shard_frozen`), each process' shard on `device`. `expert`: the network a Wan model trains (`Wan.train_expert`)."""
+    the processes (`refl_ddpo.core.sharding.shard_frozen`), each process' shard on `device`. `expert`: the network a Wan model trains (`Wan.train_expert`, with `pair_experts`)."""
     from refl_ddpo.core.models import load_pipeline, pipeline_class_name
 
     pipeline_class = pipeline_class_name(name)
@@ -97,7 +98,7 @@ def load_family(
     if offload_text_encoders:
         family.text_encoder_device = device
     if expert is not None and hasattr(family, "train_expert"):  # Wan: the expert the trainers adapt
-        family.train_expert(expert)
+        family.train_expert(expert, pair_experts)
     return family
 
 

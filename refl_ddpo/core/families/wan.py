@@ -13,10 +13,12 @@ Wan 2.2 (A14B) has two experts: `transformer` denoises the steps with timestep >
 `transformer_2` the others, each with its guidance scale (`guidance_scale_2`, default the first's). `train_expert`
 chooses what the trainers adapt: one expert ("transformer", default, or "transformer_2"; the other runs frozen at
 its steps, whose loss terms then have a zero gradient, linked to the trained network by 0 x one of its weights, so
-that every training step has a graph), or "both": the two as one module (`wan_experts.WanExperts`), a LoRA on
-each, every step's loss reaching the expert that ran it. A LoRA of `transformer_2` loads into the stock pipeline
-with `load_lora_weights(..., load_into_transformer_2=True)`. Wan 2.2 TI2V-5B (`expand_timesteps`) takes one
-timestep per video token, as its pipeline builds them.
+that every training step has a graph), or "both", a LoRA on each, every step's loss reaching the expert that ran
+it. The trained network is the pair as one module (`wan_experts.WanExperts`, the LoRA on the trained expert(s)), so
+that every expert call, the frozen one's too, goes through whatever wraps it (DDP); only a run whose network is
+sharded or run by DeepSpeed, or trained whole, trains the one expert itself (`train_expert`'s `pair`). A LoRA
+of `transformer_2` loads into the stock pipeline with `load_lora_weights(..., load_into_transformer_2=True)`.
+Wan 2.2 TI2V-5B (`expand_timesteps`) takes one timestep per video token, as its pipeline builds them.
 
 Sampler. The real folders carry a `UniPCMultistepScheduler` with `flow_shift`; the kit samples with the
 flow-matching Euler sampler (its log-prob step is Flow-GRPO's), built with `shift` = that `flow_shift`. The flow maths
@@ -63,22 +65,26 @@ class Wan(StableDiffusion3):
         if type(pipe.scheduler).__name__ != "FlowMatchEulerDiscreteScheduler":
             pipe.scheduler = self.scheduler("FlowMatchEulerDiscreteScheduler")
 
-    def train_expert(self, expert: str) -> None:
-        """Make `expert` ("transformer", "transformer_2", or "both": the pair as one module) the network the
-        trainers adapt (`network`)."""
+    def train_expert(self, expert: str, pair: bool = True) -> None:
+        """Make `expert` ("transformer", "transformer_2", or "both") the expert(s) the trainers adapt. On a model
+        with two experts the network (`network`) is the pair, the LoRA on `expert` only; `pair` False (one expert
+        trained sharded, by DeepSpeed or whole): that expert itself."""
         have = [e for e in EXPERTS if getattr(self.pipe, e, None) is not None]
         if expert not in (*EXPERTS, BOTH) or not set(EXPERTS if expert == BOTH else [expert]) <= set(have):
             raise UserError(f"--wan_expert {expert}: this Wan model has {', '.join(have)}.")
-        if expert == BOTH:
+        if len(have) == 2 and (pair or expert == BOTH):
             from refl_ddpo.core.families.wan_experts import WanExperts
 
-            self.experts = WanExperts(self.pipe.transformer, self.pipe.transformer_2)
-            expert = "transformer"  # network_name: the high-noise expert, whose config the pair shows
-        self.network_name = expert
+            trained = EXPERTS if expert == BOTH else (expert,)
+            self.experts = WanExperts(self.pipe.transformer, self.pipe.transformer_2, trained)
+        else:
+            self.experts = None
+        # both: the high-noise expert, whose config the pair shows
+        self.network_name = "transformer" if expert == BOTH else expert
 
     @property
     def network(self) -> torch.nn.Module:
-        """The trained network: one expert, or the pair under --wan_expert both."""
+        """The trained network: the pair on a model with two experts (`train_expert`), else the expert."""
         return self.experts if self.experts is not None else getattr(self.pipe, self.network_name)
 
     def scheduler(self, kind: str):
@@ -152,9 +158,9 @@ class Wan(StableDiffusion3):
     ) -> torch.Tensor:
         """Velocity (B, 16, T, h, w) in the network's dtype. Each sample's expert by its timestep (Wan 2.2: the
         high-noise `transformer` at t >= boundary, else `transformer_2` with `guidance_scale_2`); `network` stands in
-        for the trained expert (--wan_expert both: the pair, called with the expert's name). CFG as the pipeline:
-        two calls, uncond + s (text - uncond), when guidance_scale > 1 and `uncond` is given. `timesteps` is a
-        scalar or one per sample (B,)."""
+        for the trained network (the pair: called with the expert's name, each expert through it). CFG as the
+        pipeline: two calls, uncond + s (text - uncond), when guidance_scale > 1 and `uncond` is given. `timesteps`
+        is a scalar or one per sample (B,)."""
         t = timesteps.expand(latents.shape[0]) if timesteps.ndim == 0 else timesteps
         boundary = self.boundary(scheduler)
         if boundary is None:
@@ -182,8 +188,8 @@ class Wan(StableDiffusion3):
 
     def _expert_call(self, expert, network, latents, t, cond, uncond, guidance_scale):
         """One expert's (guided) velocity, as the pipeline's loop body calls it."""
-        if network is not None and self.experts is not None:  # both trained: through the (wrapped) pair
-            net = functools.partial(network, expert)
+        if network is not None and self.experts is not None:  # through the (wrapped) pair; a frozen expert's
+            net = functools.partial(network, expert)  # zero link is made in there (WanExperts.forward)
         else:
             net = (
                 network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
@@ -195,7 +201,7 @@ class Wan(StableDiffusion3):
             v_uncond = net(encoder_hidden_states=uncond["prompt_embeds"], **kw)[0]
             v = v_uncond + guidance_scale * (v - v_uncond)
         if self.experts is None and network is not None and net is not network and torch.is_grad_enabled():
-            # the frozen expert's steps: a loss with a (zero) gradient, as the others
+            # the frozen expert's steps, the expert trained itself: a loss with a (zero) gradient, as the others
             v = v + _zero_from(network)
         return v
 

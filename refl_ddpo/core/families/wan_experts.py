@@ -1,18 +1,24 @@
-"""Wan 2.2's two experts as one trained module (--wan_expert both): `transformer` (high noise) and `transformer_2`
-(low noise), each with its own LoRA, trained together by one optimizer.
+"""Wan 2.2's two experts as one trained module: `transformer` (high noise) and `transformer_2` (low noise), a LoRA
+on the trained one(s): both (--wan_expert both, trained together by one optimizer) or one (--wan_expert transformer
+or transformer_2, the other frozen).
 
 Why one module: everything that carries "the trained network" through a run (accelerate's `prepare` and its DDP
 wrapper, the optimizer over its trainable tensors, the gradient accumulation, checkpoint-N's save and load hooks,
 the weight digests, the LoRA fold of the no-grad calls, the adapters switched off for the base model) takes one
 module, and takes this pair as it takes one network. A call names its expert, `pair(expert, hidden_states=...)`,
 so that it goes through whatever wraps the pair (DDP's gradient hooks, accelerate's autocast) and reaches that
-expert only: a step's loss reaches the expert that ran it. The experts stay the pipeline's own (`pipe.transformer`,
-`pipe.transformer_2`): a call without the pair (validation, inference) meets the same LoRA layers.
+expert only: a step's loss reaches the expert that ran it. A frozen expert's call under grad adds 0 x the pair's
+first trainable tensor to its velocity, inside the call: every step's loss has a graph, and DDP (with
+`find_unused_parameters`) sees a forward whose output reaches it, so every process runs the same all-reduce (a
+link made outside the wrapped call fires a gradient hook DDP did not expect: the processes hang). The experts stay
+the pipeline's own (`pipe.transformer`, `pipe.transformer_2`): a call without the pair (validation, inference)
+meets the same LoRA layers.
 
-On disk (`lora_parts`): the high-noise expert's LoRA is `pytorch_lora_weights.safetensors` at the top of the
-folder, the low-noise one's the same file in `transformer_2/`, so the stock pipeline loads both in two calls:
+On disk (`lora_parts`): both trained, the high-noise expert's LoRA is `pytorch_lora_weights.safetensors` at the top
+of the folder, the low-noise one's the same file in `transformer_2/`, so the stock pipeline loads both in two calls:
 `pipe.load_lora_weights(DIR)` and `pipe.load_lora_weights(DIR, subfolder="transformer_2",
-load_into_transformer_2=True)`.
+load_into_transformer_2=True)`. One trained, its LoRA is the file at the top (a `transformer_2` one loads with
+`load_into_transformer_2=True`).
 """
 
 from __future__ import annotations
@@ -23,21 +29,30 @@ import torch
 
 from refl_ddpo.core.lora import EXPERT_2_DIR  # the low-noise expert's LoRA: this subfolder of a LoRA folder
 
+EXPERTS = ("transformer", "transformer_2")
+
 
 class WanExperts(torch.nn.Module):
-    """The pair (transformer, transformer_2) as one module; `forward(expert, **kwargs)` calls that expert."""
+    """The pair (transformer, transformer_2) as one module, `trained` the names of the experts that carry a LoRA;
+    `forward(expert, **kwargs)` calls that expert (with `return_dict=False`: a tuple, the velocity first)."""
 
-    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, trained=EXPERTS):
         super().__init__()
         self.transformer = transformer
         self.transformer_2 = transformer_2
+        self.trained = tuple(trained)
 
     def forward(self, expert: str, **kwargs):
-        return getattr(self, expert)(**kwargs)
+        out = getattr(self, expert)(**kwargs)
+        if expert not in self.trained and torch.is_grad_enabled():  # a frozen expert: the zero link, in here
+            p = next((p for p in self.parameters() if p.requires_grad), None)
+            out = out if p is None else (out[0] + 0.0 * p.reshape(-1)[0], *out[1:])
+        return out
 
     @property
-    def experts(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        return self.transformer, self.transformer_2
+    def experts(self) -> tuple[torch.nn.Module, ...]:
+        """The trained experts (a LoRA on each)."""
+        return tuple(getattr(self, name) for name in self.trained)
 
     @property
     def config(self):
@@ -49,13 +64,16 @@ class WanExperts(torch.nn.Module):
         return self.transformer.dtype
 
     def lora_parts(self) -> list[tuple[str, torch.nn.Module, str]]:
-        """(name, expert, its folder in a LoRA folder): where `refl_ddpo.core.lora` writes and reads each."""
-        return [("transformer", self.transformer, ""), ("transformer_2", self.transformer_2, EXPERT_2_DIR)]
+        """(name, expert, its folder in a LoRA folder) of each trained expert: where `refl_ddpo.core.lora` writes
+        and reads it (one trained: at the top)."""
+        both = len(self.trained) > 1
+        folder = {"transformer_2": EXPERT_2_DIR} if both else {}
+        return [(name, getattr(self, name), folder.get(name, "")) for name in self.trained]
 
-    # ---- what the LoRA core and the trainers call on a network, for both experts ----
+    # ---- what the LoRA core and the trainers call on a network, for the trained experts ----
     @property
     def peft_config(self) -> dict:
-        return getattr(self.transformer, "peft_config", {})
+        return getattr(self.experts[0], "peft_config", {})
 
     def add_adapter(self, config) -> None:
         for expert in self.experts:  # each its own copy: peft keeps the config object per model
