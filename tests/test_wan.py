@@ -124,6 +124,23 @@ def test_train_expert_and_unipc_flow_shift(tiny_models):
     assert type(euler).__name__ == "FlowMatchEulerDiscreteScheduler" and euler.config.shift == 5.0
 
 
+def test_fsdp_keeps_the_trained_expert_on_the_host(tiny_models, monkeypatch):
+    """--fsdp (`network_on_host`): the expert --wan_expert trains stays on the host for `prepare` to shard, the
+    frozen one goes to the device with the other parts; an image model keeps its own network there."""
+    from refl_ddpo.core import models
+
+    seen = []
+    real = models.load_pipeline
+    monkeypatch.setattr(
+        models, "load_pipeline", lambda *a, on_host=(), **kw: seen.append(on_host) or real(*a, **kw)
+    )
+    load_family(
+        str(tiny_models / "tiny-wan22"), network_on_host=True, expert="transformer_2", pair_experts=False
+    )
+    load_family(str(tiny_models / "stable-diffusion"), network_on_host=True, expert="transformer")
+    assert seen == [("transformer_2",), ("unet",)]
+
+
 def _inference(tmp_path, model, *flags, lora_dir=None):
     from refl_ddpo.apps import inference
     from refl_ddpo.run.flags import parse_config

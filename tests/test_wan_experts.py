@@ -144,18 +144,19 @@ def test_both_refused_before_loading(model, extra, says, tiny_models, tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("expert", ["both", "transformer"])
-def test_two_processes_train_the_pair(expert, tiny_models, tmp_path):
+@pytest.mark.parametrize(("expert", "batch"), [("both", "2"), ("transformer", "1"), ("transformer", "2")])
+def test_two_processes_train_the_pair(expert, batch, tiny_models, tmp_path):
     """GRPO on two processes (DDP over the pair; a backward that ran one expert leaves the other's LoRA unused, which
     DDP must find): two epochs, the LoRA file(s) written, every process with the same weights. With one trained
     expert the steps of the frozen one go through the pair too (its zero link made inside the wrapped call): called
-    directly, they hung both processes after epoch 1's sampling; a hang fails here at run_two's time limit. About
-    30 s each on 2 cores."""
+    directly, they hung both processes after epoch 1's sampling, and so did a micro-batch whose rows called both
+    experts in two forwards before one backward (now one forward of the pair); a hang fails here at run_two's time
+    limit. About 15-30 s each on 2 cores."""
     from helpers import run_two
 
     out = tmp_path / "two"
     flags = _flags(tiny_models, out, MODEL, wan_expert=expert, group_size=2, beta="0.04")
-    flags[flags.index("--train_batch_size") + 1] = "1"  # one sample per process and micro-batch
+    flags[flags.index("--train_batch_size") + 1] = batch  # 2: micro-batches whose rows straddle the boundary
     r = run_two("train_grpo.sh", flags)
     assert "weights identical on all 2 process(es)" in r.stdout, r.stdout[-2000:]
     files = EXPERT_FILES.values() if expert == "both" else [LORA_WEIGHTS_NAME]

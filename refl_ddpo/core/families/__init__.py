@@ -86,7 +86,11 @@ def load_family(
     if drop_t5 and pipeline_class in NO_T5:
         what, reader = NO_T5[pipeline_class]
         raise UserError(f"--drop_t5: {name} is {what} model, which has no T5 ({reader} reads its prompt).")
-    on_host = ((cls.network_name,) if network_on_host else ()) + (
+    wan_expert = hasattr(cls, "train_expert") and expert in ("transformer", "transformer_2")
+    trained = (
+        expert if wan_expert else cls.network_name
+    )  # the network --fsdp shards (Wan: the expert it trains)
+    on_host = ((trained,) if network_on_host else ()) + (
         TEXT_ENCODER_NAMES if offload_text_encoders or shard_text_encoders else ()
     )
     family = cls(load_pipeline(name, dtype, device, pipeline_class, drop_t5=drop_t5, on_host=on_host))

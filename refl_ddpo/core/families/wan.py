@@ -27,7 +27,6 @@ flow-matching Euler sampler (its log-prob step is Flow-GRPO's), built with `shif
 
 from __future__ import annotations
 
-import functools
 from typing import ClassVar
 
 import torch
@@ -170,13 +169,17 @@ class Wan(StableDiffusion3):
         if n_high in (0, len(t)):  # one expert for the whole batch (always so while sampling)
             expert, scale = self._expert(bool(n_high), guidance_scale)
             return self._expert_call(expert, network, latents, t, cond, uncond, scale)
-        out = None
-        for mask in (high, ~high):
+        parts, idxs = [], []
+        for mask in (
+            high,
+            ~high,
+        ):  # both experts' calls in one forward of the pair (DDP: one forward per backward)
             idx = mask.nonzero().squeeze(1)
             expert, scale = self._expert(mask is high, guidance_scale)
-            part = self._expert_call(
-                expert, network, latents[idx], t[idx], _rows(cond, idx), _rows(uncond, idx), scale
-            )
+            parts.append((expert, latents[idx], t[idx], _rows(cond, idx), _rows(uncond, idx), scale))
+            idxs.append(idx)
+        out = None
+        for idx, part in zip(idxs, self._expert_calls(network, parts), strict=True):
             out = part.new_zeros(latents.shape) if out is None else out
             out = out.index_copy(0, idx, part)
         return out
@@ -188,22 +191,46 @@ class Wan(StableDiffusion3):
 
     def _expert_call(self, expert, network, latents, t, cond, uncond, guidance_scale):
         """One expert's (guided) velocity, as the pipeline's loop body calls it."""
-        if network is not None and self.experts is not None:  # through the (wrapped) pair; a frozen expert's
-            net = functools.partial(network, expert)  # zero link is made in there (WanExperts.forward)
+        return self._expert_calls(network, [(expert, latents, t, cond, uncond, guidance_scale)])[0]
+
+    def _expert_calls(self, network, parts: list[tuple]) -> list[torch.Tensor]:
+        """The guided velocity of each part (expert, latents, t, cond, uncond, guidance_scale). Through the trained
+        pair (`network` a `WanExperts`, wrapped or not), every call of the parts is one forward of it: DDP meets one
+        forward before each backward, whichever experts the rows need (a frozen expert's zero link is made in
+        there: `WanExperts.forward`)."""
+        calls, guided = [], []
+        for expert, latents, t, cond, uncond, scale in parts:
+            x, tt, extra = self.network_inputs(getattr(self.pipe, expert), latents, t, cond)
+            kw = {"hidden_states": x, "timestep": tt, "return_dict": False, **extra}
+            calls.append((expert, {"encoder_hidden_states": cond["prompt_embeds"], **kw}))
+            guided.append(scale > 1.0 and uncond is not None)
+            if guided[-1]:
+                calls.append((expert, {"encoder_hidden_states": uncond["prompt_embeds"], **kw}))
+        if network is not None and self.experts is not None:
+            outs = iter(network(calls))
         else:
-            net = (
-                network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
-            )
-        x, t, extra = self.network_inputs(getattr(self.pipe, expert), latents, t, cond)
-        kw = {"hidden_states": x, "timestep": t, "return_dict": False, **extra}
-        v = net(encoder_hidden_states=cond["prompt_embeds"], **kw)[0]
-        if guidance_scale > 1.0 and uncond is not None:
-            v_uncond = net(encoder_hidden_states=uncond["prompt_embeds"], **kw)[0]
-            v = v_uncond + guidance_scale * (v - v_uncond)
-        if self.experts is None and network is not None and net is not network and torch.is_grad_enabled():
-            # the frozen expert's steps, the expert trained itself: a loss with a (zero) gradient, as the others
-            v = v + _zero_from(network)
-        return v
+            outs = iter([self._unpaired(expert, network)(**kw)[0] for expert, kw in calls])
+        velocities = []
+        for (expert, *_, scale), cfg in zip(parts, guided, strict=True):
+            v = next(outs)
+            if cfg:
+                v_uncond = next(outs)
+                v = v_uncond + scale * (v - v_uncond)
+            if (
+                self.experts is None
+                and network is not None
+                and expert != self.network_name
+                and torch.is_grad_enabled()
+            ):
+                # the frozen expert's steps, the expert trained itself: a loss with a (zero) gradient, as the others
+                v = v + _zero_from(network)
+            velocities.append(v)
+        return velocities
+
+    def _unpaired(self, expert: str, network):
+        """The module that runs `expert` without the pair: `network` where it is the trained expert, else the
+        pipeline's own."""
+        return network if network is not None and expert == self.network_name else getattr(self.pipe, expert)
 
     def network_inputs(self, net, latents, t, cond: Cond) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(hidden_states, timestep, other keyword arguments) of an expert's call on `latents` at `t` (B,): the

@@ -5,9 +5,12 @@ or transformer_2, the other frozen).
 Why one module: everything that carries "the trained network" through a run (accelerate's `prepare` and its DDP
 wrapper, the optimizer over its trainable tensors, the gradient accumulation, checkpoint-N's save and load hooks,
 the weight digests, the LoRA fold of the no-grad calls, the adapters switched off for the base model) takes one
-module, and takes this pair as it takes one network. A call names its expert, `pair(expert, hidden_states=...)`,
-so that it goes through whatever wraps the pair (DDP's gradient hooks, accelerate's autocast) and reaches that
-expert only: a step's loss reaches the expert that ran it. A frozen expert's call under grad adds 0 x the pair's
+module, and takes this pair as it takes one network. A call names its experts' calls, `pair([(expert, kwargs),
+...])`, so that they go through whatever wraps the pair (DDP's gradient hooks, accelerate's autocast) and reach
+those experts only: a step's loss reaches the expert that ran it. All the calls of one prediction (CFG's two, and
+both experts' where a batch straddles the boundary) are one forward: DDP with `find_unused_parameters` reads the
+tensors used from the last forward before a backward, so a second forward would hide the first's (the processes
+hang). A frozen expert's call under grad adds 0 x the pair's
 first trainable tensor to its velocity, inside the call: every step's loss has a graph, and DDP (with
 `find_unused_parameters`) sees a forward whose output reaches it, so every process runs the same all-reduce (a
 link made outside the wrapped call fires a gradient hook DDP did not expect: the processes hang). The experts stay
@@ -34,7 +37,7 @@ EXPERTS = ("transformer", "transformer_2")
 
 class WanExperts(torch.nn.Module):
     """The pair (transformer, transformer_2) as one module, `trained` the names of the experts that carry a LoRA;
-    `forward(expert, **kwargs)` calls that expert (with `return_dict=False`: a tuple, the velocity first)."""
+    `forward([(expert, kwargs), ...])` makes each call of that expert and returns their velocities."""
 
     def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module, trained=EXPERTS):
         super().__init__()
@@ -42,12 +45,20 @@ class WanExperts(torch.nn.Module):
         self.transformer_2 = transformer_2
         self.trained = tuple(trained)
 
-    def forward(self, expert: str, **kwargs):
-        out = getattr(self, expert)(**kwargs)
-        if expert not in self.trained and torch.is_grad_enabled():  # a frozen expert: the zero link, in here
-            p = next((p for p in self.parameters() if p.requires_grad), None)
-            out = out if p is None else (out[0] + 0.0 * p.reshape(-1)[0], *out[1:])
-        return out
+    def forward(self, calls: list[tuple[str, dict]]) -> list[torch.Tensor]:
+        """The velocity of each call (expert, its keyword arguments, `return_dict=False`), all in this one forward:
+        DDP expects one forward before each backward, and a batch whose rows straddle the boundary calls both
+        experts. A frozen expert's velocity gets the zero link (0 x a trained value: adds nothing, keeps a graph)."""
+        outs = []
+        for expert, kwargs in calls:
+            v = getattr(self, expert)(**kwargs)[0]
+            if (
+                expert not in self.trained and torch.is_grad_enabled()
+            ):  # a frozen expert: the zero link, in here
+                p = next((p for p in self.parameters() if p.requires_grad), None)
+                v = v if p is None else v + 0.0 * p.reshape(-1)[0]
+            outs.append(v)
+        return outs
 
     @property
     def experts(self) -> tuple[torch.nn.Module, ...]:
