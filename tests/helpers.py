@@ -208,8 +208,6 @@ def ddpo_first_update(
     1e-3, no mixed precision); `metadata`: every prompt's (an edit's source images). Returns (the stacked samples, the
     first PPO step's stats)."""
     import torch
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
     from refl_ddpo.algorithms.policy import batch_advantages
     from refl_ddpo.rewards import build_reward
@@ -228,8 +226,7 @@ def ddpo_first_update(
     samples = stack_samples(batches, batch_advantages(torch.cat([b.rewards[0] for b in batches])).float())
     if edit is not None:
         edit(samples)
-    AcceleratorState._reset_state()  # accelerate keeps its state per process: an earlier test's bf16 would leak in
-    accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=kw["num_steps"])
+    accelerator = cpu_accelerator(gradient_accumulation_steps=kw["num_steps"])
     optimizer = accelerator.prepare_optimizer(torch.optim.AdamW(params, lr=1e-3))
     steps = train_on_samples(
         Policy(family, scheduler, uncond, family.network),
@@ -574,3 +571,13 @@ def train_preset_small(monkeypatch, capsys, main, tiny_models: Path, out: Path, 
     main(argv)
     assert "epoch 1/1" in capsys.readouterr().out
     watch.assert_lora_moved_and_base_not(out)
+
+
+def cpu_accelerator(**kwargs):
+    """A float32 CPU Accelerator (`kwargs`: its other arguments). accelerate keeps one state per process: an earlier
+    test's bf16 (a trainer run in this process, test_lean's) would otherwise leak into this one's autocast."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    return Accelerator(cpu=True, mixed_precision="no", **kwargs)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
 from diffusers import DDIMScheduler, StableDiffusionPipeline
-from helpers import run_in_process, script_env, trainer_flags
+from helpers import cpu_accelerator, run_in_process, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import (
@@ -271,7 +270,7 @@ def test_update_moves_probability_towards_positive_advantages(tiny_sd):
     advantages = batch_advantages(rewards).float()
     initial = [p.detach().clone() for p in params]
     base = {n: p.detach().clone() for n, p in pipe.network.named_parameters() if "lora_" not in n}
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=cfg.sample_num_steps)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=cfg.sample_num_steps)
     for sign in (1.0, -1.0):
         with torch.no_grad():
             for p, p0 in zip(params, initial, strict=True):
@@ -301,7 +300,7 @@ def test_kl_weight_adds_the_step_kl_to_the_base_model(tiny_sd):
         kl_weight=1.0, sample_num_steps=3, train_timestep_fraction=0.5
     )  # int(3 * 0.5) = 1 step trained
     samples = stack_samples(_sample(pipe, negative, cfg), torch.zeros(4))
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=1)
     steps = _train(
         pipe,
         samples,

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
-from helpers import resume_two, run_script, script_env, trainer_flags
+from helpers import cpu_accelerator, resume_two, run_script, script_env, trainer_flags
 from safetensors.torch import load_file
 
 from refl_ddpo.algorithms.policy import GROUP_STD_EPS, group_advantages, zero_std_group_fraction
@@ -207,7 +206,7 @@ def test_first_update_is_on_policy_and_trains_the_window_steps_only(tiny_models,
     window = scheduler.timesteps[3:5]
     samples = stack_samples(batches, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     assert samples["timesteps"].shape == (4, 2) and (samples["timesteps"] == window).all()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=2)
     optimizer = accelerator.prepare_optimizer(torch.optim.SGD(params, lr=0.0))
     steps = train_on_samples(
         Policy(family, scheduler, uncond, family.network),
@@ -255,7 +254,7 @@ def test_ratio_by_step_averages_the_ratios_of_each_sampler_step(tiny_sd):
     samples = stack_samples(batches, torch.zeros(4))
     shift = torch.tensor([[0.1, -0.2, 0.3], [0.0, 0.1, -0.1], [0.2, 0.2, 0.0], [-0.3, 0.0, 0.1]])  # (N, S)
     samples["log_probs"] = samples["log_probs"] - shift  # ratio = exp(shift) to ~1e-6 (on-policy otherwise)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=3)
     (step,) = train_on_samples(
         Policy(family, scheduler, None, family.network),
         PPOSettings(
@@ -297,7 +296,7 @@ def test_beta_adds_the_mean_space_kl_to_the_base_model_on_sd3(tiny_models):
     )
     samples = stack_samples(batches, torch.zeros(2))
     beta = 0.04
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=1)
     steps = train_on_samples(
         Policy(family, scheduler, None, family.network),
         PPOSettings(

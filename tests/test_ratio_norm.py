@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-from accelerate import Accelerator
-from helpers import trainer_flags, watch_training
+from helpers import cpu_accelerator, trainer_flags, watch_training
 
 from refl_ddpo.algorithms.policy import ratio_norm
 from refl_ddpo.core.families import load_family
@@ -130,7 +129,7 @@ def test_flag_keeps_the_step_means_and_its_ratio_is_one_on_policy(tiny_models, m
     assert samples["step_means"].shape == samples["latents"].shape
     # the next latent is the step's mean plus noise of the step's std
     assert not torch.equal(samples["step_means"], samples["next_latents"].float())
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    accelerator = cpu_accelerator(gradient_accumulation_steps=3)
     (step,) = train_on_samples(
         Policy(family, scheduler, None, family.network),
         PPOSettings(

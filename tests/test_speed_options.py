@@ -15,17 +15,15 @@ from refl_ddpo.core.lora import add_lora
 def _prepared(tiny_models, **flags):
     """The tiny SD 1.x with LoRA, through the trainers' `prepare` with `flags` (float32, CPU); its output at a fixed
     input."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from helpers import cpu_accelerator
 
     from refl_ddpo.run.session import prepare
 
     torch.manual_seed(0)
     family = load_family(str(tiny_models / "stable-diffusion"))
     params = add_lora(family.network, 4, 4, family.lora_target_modules, init="random")
-    AcceleratorState._reset_state()
     cfg = SimpleNamespace(**{"channels_last": False, "compile": False, "fold_lora": True, **flags})
-    run = SimpleNamespace(cfg=cfg, accelerator=Accelerator(cpu=True), family=family, params=params)
+    run = SimpleNamespace(cfg=cfg, accelerator=cpu_accelerator(), family=family, params=params)
     run.optimizer = torch.optim.AdamW(params, lr=1e-3)
     prepare(run)
     generator = torch.Generator().manual_seed(1)
